@@ -1,0 +1,38 @@
+"""Shared helpers for reading HF (torch-layout) tensors into jaxmoe modules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from flax import nnx
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor, or holds one of the wrong shape or values."""
+
+
+def take(tensors: Mapping[str, np.ndarray], key: str) -> np.ndarray:
+    """``tensors[key]`` as a float32 numpy array, with a clear error if it is missing."""
+    if key not in tensors:
+        raise CheckpointError(f"checkpoint is missing tensor {key!r}")
+    return np.asarray(tensors[key], dtype=np.float32)
+
+
+def assign(variable: nnx.Variable, value: np.ndarray, name: str) -> None:
+    """Sets ``variable`` to ``value``, refusing a shape mismatch (``name`` is the source key)."""
+    value = np.asarray(value)
+    want = tuple(variable[...].shape)
+    if tuple(value.shape) != want:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(value.shape)}, the model expects {want}")
+    variable[...] = value.astype(variable[...].dtype)
+
+
+def linear_in_out(weight: np.ndarray, out_shape: Sequence[int]) -> np.ndarray:
+    """torch ``[out, in]`` -> jaxmoe ``[in, *out_shape]``."""
+    return weight.T.reshape((weight.shape[1], *out_shape))
+
+
+def linear_heads_out(weight: np.ndarray, in_shape: Sequence[int]) -> np.ndarray:
+    """torch ``[out, in]`` with ``in`` = heads x head_dim -> jaxmoe ``[*in_shape, out]``."""
+    return weight.T.reshape((*in_shape, weight.shape[0]))

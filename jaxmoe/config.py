@@ -1,0 +1,375 @@
+"""Typed, frozen configuration: the only thing model code reads.
+
+ml_collections ``ConfigDict`` files (``configs/*.py`` with ``get_config()``) are the user-facing
+edge; :func:`from_config_dict` turns one into the dataclasses below, validating every field and
+naming the bad one in the error. Unknown keys are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+ATTENTION_KINDS = ("mla", "dsa", "kda")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+ROPE_TYPES = ("default", "yarn")
+MOE_DISPATCH = ("dense", "dropless", "capacity", "ragged")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration field holds a value that is not allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding; YaRN as in DeepSeek-V3 when ``type == 'yarn'``."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (shared by ``mla`` and ``dsa`` layers)."""
+
+    num_heads: int = 4
+    q_lora_rank: int = 0  # 0: queries come straight from x (no low-rank q, as in Kimi Linear)
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 8
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 8
+    use_rope: bool = True  # False: NoPE MLA (Kimi Linear's full-attention layers)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """DSA lightning indexer."""
+
+    num_heads: int = 4
+    head_dim: int = 16
+    topk: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi delta attention."""
+
+    num_heads: int = 4
+    head_dim: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-style MoE FFN (and the dense FFN of the first ``first_k_dense`` layers)."""
+
+    num_experts: int = 8
+    experts_per_token: int = 2
+    num_shared_experts: int = 1
+    expert_ffw_dim: int = 16
+    dense_ffw_dim: int = 48
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense: int = 0
+    dispatch: str = "dense"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 32
+    layer_kinds: tuple[str, ...] = ("mla",)
+    norm_eps: float = 1e-6
+    max_context: int = 4096
+    tie_embeddings: bool = False
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+    rope: RopeConfig = RopeConfig()
+    mla: MLAConfig = MLAConfig()
+    indexer: IndexerConfig = IndexerConfig()
+    kda: KDAConfig = KDAConfig()
+    moe: MoEConfig = MoEConfig()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the five mesh axes; their product is the device count."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in MESH_AXES)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    name: str = "unnamed"
+
+
+# --------------------------------------------------------------------------------------------
+# ConfigDict -> dataclasses
+
+
+def _to_plain(x: Any) -> Any:
+    if hasattr(x, "to_dict"):
+        x = x.to_dict()
+    if isinstance(x, Mapping):
+        return {k: _to_plain(v) for k, v in x.items()}
+    return x
+
+
+def _build(cls, values: Mapping[str, Any], prefix: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config field {prefix}{unknown[0]}; allowed fields of {prefix.rstrip('.') or 'config'}: "
+            f"{sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        f = fields[name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config field {prefix}{name} must be a mapping of fields, got {value!r}")
+            kwargs[name] = _build(type(default), value, f"{prefix}{name}.")
+            continue
+        if name == "layer_kinds":
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            value = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"config field {prefix}{name} must be a bool, got {value!r}")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"config field {prefix}{name} must be an int, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"config field {prefix}{name} must be a number, got {value!r}")
+            value = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"config field {prefix}{name} must be a string, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def from_config_dict(cd: Any) -> Config:
+    """Turns a ConfigDict (or plain nested dict) into a validated :class:`Config`.
+
+    Keys other than ``model``, ``mesh`` and ``name`` (for example training options that later
+    issues read) are left to their own readers.
+    """
+    d = _to_plain(cd)
+    if not isinstance(d, Mapping) or "model" not in d:
+        raise ConfigError("config must have a 'model' section")
+    cfg = Config(
+        model=_build(ModelConfig, d["model"], "model."),
+        mesh=_build(MeshConfig, d.get("mesh", {}), "mesh."),
+        name=str(d.get("name", "unnamed")),
+    )
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | pathlib.Path, arg: str | None = None) -> Config:
+    """Loads ``get_config(arg)`` from an ml_collections config file and validates it."""
+    return from_config_dict(load_config_dict(path, arg))
+
+
+def load_config_dict(path: str | pathlib.Path, arg: str | None = None):
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_jaxmoe_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {str(path)!r} defines no get_config()")
+    return module.get_config(arg) if arg is not None else module.get_config()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {msg}")
+
+
+def _positive(value: int, field: str) -> None:
+    _require(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks every cross-field constraint; raises :class:`ConfigError` naming the field."""
+    m, mesh = cfg.model, cfg.mesh
+    for a in MESH_AXES:
+        _positive(getattr(mesh, a), f"mesh.{a}")
+    for f in ("vocab_size", "d_model", "max_context"):
+        _positive(getattr(m, f), f"model.{f}")
+    _require(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
+    _require(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}, got {m.param_dtype!r}")
+    _require(len(m.layer_kinds) > 0, "model.layer_kinds", "needs at least one layer")
+    for i, kind in enumerate(m.layer_kinds):
+        _require(
+            kind in ATTENTION_KINDS,
+            f"model.layer_kinds[{i}]",
+            f"unknown attention kind {kind!r}; allowed: {ATTENTION_KINDS}",
+        )
+    kinds = set(m.layer_kinds)
+
+    r = m.rope
+    _require(r.type in ROPE_TYPES, "model.rope.type", f"must be one of {ROPE_TYPES}, got {r.type!r}")
+    _require(r.theta > 0, "model.rope.theta", f"must be > 0, got {r.theta}")
+    if r.type == "yarn":
+        _require(r.factor >= 1.0, "model.rope.factor", f"YaRN factor must be >= 1, got {r.factor}")
+        _positive(r.original_max_position, "model.rope.original_max_position")
+
+    if kinds & {"mla", "dsa"}:
+        a = m.mla
+        for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _positive(getattr(a, f), f"model.mla.{f}")
+        _require(a.q_lora_rank >= 0, "model.mla.q_lora_rank", f"must be >= 0 (0: no q compression), got {a.q_lora_rank}")
+        _require(
+            a.qk_rope_head_dim > 0 and a.qk_rope_head_dim % 2 == 0,
+            "model.mla.qk_rope_head_dim",
+            f"must be a positive even number (RoPE rotates pairs), got {a.qk_rope_head_dim}",
+        )
+    if "dsa" in kinds:
+        ix = m.indexer
+        for f in ("num_heads", "head_dim", "topk"):
+            _positive(getattr(ix, f), f"model.indexer.{f}")
+        _require(
+            m.mla.q_lora_rank > 0, "model.mla.q_lora_rank", "dsa layers need q_lora_rank > 0 (the indexer reads the q latent)"
+        )
+        _require(
+            ix.head_dim >= m.mla.qk_rope_head_dim,
+            "model.indexer.head_dim",
+            f"must be >= model.mla.qk_rope_head_dim={m.mla.qk_rope_head_dim}, got {ix.head_dim}",
+        )
+    if "kda" in kinds:
+        k = m.kda
+        for f in ("num_heads", "head_dim", "conv_kernel", "chunk_size"):
+            _positive(getattr(k, f), f"model.kda.{f}")
+
+    e = m.moe
+    for f in ("num_experts", "experts_per_token", "expert_ffw_dim", "num_groups", "topk_groups"):
+        _positive(getattr(e, f), f"model.moe.{f}")
+    _require(e.num_shared_experts >= 0, "model.moe.num_shared_experts", f"must be >= 0, got {e.num_shared_experts}")
+    _require(
+        0 <= e.first_k_dense <= m.num_layers,
+        "model.moe.first_k_dense",
+        f"must be in [0, {m.num_layers}] (the layer count), got {e.first_k_dense}",
+    )
+    if e.first_k_dense:
+        _positive(e.dense_ffw_dim, "model.moe.dense_ffw_dim")
+    _require(
+        e.dispatch in MOE_DISPATCH, "model.moe.dispatch", f"must be one of {MOE_DISPATCH}, got {e.dispatch!r}"
+    )
+    _require(
+        e.experts_per_token <= e.num_experts,
+        "model.moe.experts_per_token",
+        f"top-k {e.experts_per_token} is larger than model.moe.num_experts={e.num_experts}",
+    )
+    _require(
+        e.num_experts % e.num_groups == 0,
+        "model.moe.num_groups",
+        f"must divide model.moe.num_experts={e.num_experts}, got {e.num_groups}",
+    )
+    _require(
+        e.num_experts // e.num_groups >= 2,
+        "model.moe.num_groups",
+        f"each group needs >= 2 experts (group score is the sum of its top 2), got {e.num_experts // e.num_groups}",
+    )
+    _require(
+        e.topk_groups <= e.num_groups,
+        "model.moe.topk_groups",
+        f"must be <= model.moe.num_groups={e.num_groups}, got {e.topk_groups}",
+    )
+    _require(
+        e.experts_per_token <= e.topk_groups * (e.num_experts // e.num_groups),
+        "model.moe.experts_per_token",
+        f"top-k {e.experts_per_token} exceeds the experts in the {e.topk_groups} selected groups",
+    )
+    _validate_divisibility(cfg)
+
+
+def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Logical axis name -> the config fields whose values size a dimension with that name."""
+    dims: dict[str, list[tuple[str, int]]] = {
+        "vocab": [("model.vocab_size", m.vocab_size)],
+        "embed": [("model.d_model", m.d_model)],
+        "experts": [("model.moe.num_experts", m.moe.num_experts)],
+        "expert_ffw": [("model.moe.expert_ffw_dim", m.moe.expert_ffw_dim)],
+        "heads": [],
+        "ffw": [],
+    }
+    if m.moe.num_shared_experts:
+        dims["ffw"].append(("model.moe.expert_ffw_dim*num_shared_experts", m.moe.expert_ffw_dim * m.moe.num_shared_experts))
+    if m.moe.first_k_dense:
+        dims["ffw"].append(("model.moe.dense_ffw_dim", m.moe.dense_ffw_dim))
+    kinds = set(m.layer_kinds)
+    if kinds & {"mla", "dsa"}:
+        dims["heads"].append(("model.mla.num_heads", m.mla.num_heads))
+    if "dsa" in kinds:
+        dims["heads"].append(("model.indexer.num_heads", m.indexer.num_heads))
+    if "kda" in kinds:
+        dims["heads"].append(("model.kda.num_heads", m.kda.num_heads))
+    return dims
+
+
+def _validate_divisibility(cfg: Config) -> None:
+    from jaxmoe.sharding import RULES  # noqa: PLC0415 (sharding imports config)
+
+    rules = dict(RULES)
+    for logical, fields in sharded_dims(cfg.model).items():
+        axes = rules.get(logical)
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else axes
+        size = math.prod(getattr(cfg.mesh, a) for a in axes)
+        for field, value in fields:
+            _require(
+                value % size == 0,
+                field,
+                f"{value} is not divisible by the mesh axes {'x'.join(f'mesh.{a}' for a in axes)}={size} "
+                f"that shard the '{logical}' dimension",
+            )

@@ -1,0 +1,42 @@
+"""Test set-up: 8 fake CPU devices, fp32 everywhere, and mesh fixtures over several shapes."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+from jaxmoe.config import MeshConfig  # noqa: E402
+from jaxmoe.sharding import make_mesh  # noqa: E402
+
+# (data, fsdp, expert, context, tensor): every shape uses all 8 devices with >1 on several axes.
+MESH_SHAPES = {
+    "data8": MeshConfig(data=8),
+    "data2_fsdp2_tensor2": MeshConfig(data=2, fsdp=2, tensor=2),
+    "fsdp4_tensor2": MeshConfig(fsdp=4, tensor=2),
+    "data2_expert2_tensor2": MeshConfig(data=2, expert=2, tensor=2),
+}
+
+
+@pytest.fixture(params=sorted(MESH_SHAPES), ids=sorted(MESH_SHAPES))
+def mesh(request):
+    m = make_mesh(MESH_SHAPES[request.param])
+    with jax.set_mesh(m):
+        yield m
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_threads():
+    try:
+        import torch
+
+        torch.manual_seed(0)
+        torch.set_num_threads(2)
+    except ImportError:
+        pass
