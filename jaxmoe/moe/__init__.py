@@ -1,0 +1,16 @@
+"""DeepSeek-style MoE FFN: router, routed experts (dispatch paths), shared experts, dense MLP."""
+
+from jaxmoe.moe.experts import grouped_experts
+from jaxmoe.moe.layer import MLP, MoE
+from jaxmoe.moe.reference import reference_experts, reference_moe
+from jaxmoe.moe.router import RouterBias, route
+
+__all__ = [
+    "MLP",
+    "MoE",
+    "RouterBias",
+    "grouped_experts",
+    "reference_experts",
+    "reference_moe",
+    "route",
+]

@@ -1,0 +1,3 @@
+from jaxmoe.cli import main
+
+raise SystemExit(main())

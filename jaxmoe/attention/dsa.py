@@ -1,0 +1,157 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): a lightning indexer picks, per query, the
+top-K past tokens; MLA then attends only to those.
+
+The indexer scores ``I[t, s] = sum_j w[t, j] NI**-0.5 relu(HI**-0.5 q[t, j] . k[s])`` with
+``q`` from the MLA q latent (through ``wq_b``), one shared key per token (``wk`` then LayerNorm),
+and per-head weights ``w`` from ``x``. Its first R dims are rotated with *non-interleaved* (neox)
+RoPE, unlike MLA's interleaved RoPE. Selection is ``top_k`` over causal entries; it carries no
+gradient (the reference runs the indexer under ``no_grad``); the indexer is trained by its own KL
+loss (``jaxmoe.train.dsa_loss``).
+
+Sparse attention gathers the selected latents per query (``[B, T, K, C]``) and attends in the
+absorbed (MQA-over-latent) form, so no dense ``[T, S]`` mask and no per-head K/V are built. The
+indexer scoring itself is still ``[B, T, S]``; the context-parallel path replaces it later.
+
+Shape letters: B batch, T query length, S key length, K selected keys per query, D model dim,
+N heads, H head dim, R rope dim, C kv latent dim, Q q latent dim. Indexer heads are N too in the
+einsum strings (``NI`` of them, each ``HI`` wide).
+
+Reference: HF transformers ``DeepseekV32Indexer`` and ``DeepseekV32Attention``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.attention.mla import MLA, masked_softmax, softmax_scale
+from jaxmoe.config import ModelConfig
+from jaxmoe.nn import LayerNorm, apply_rope, dense, param, rope_frequencies
+from jaxmoe.nn.linear import normal
+
+_K_NORM_EPS = 1e-6
+
+
+def gather_keys(values: jax.Array, indices: jax.Array) -> jax.Array:
+    """Per-query gather: ``values[B, S, ...]``, ``indices[B, T, K]`` -> ``[B, T, K, ...]``."""
+    return jax.vmap(lambda v, i: v[i])(values, indices)
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer: ``wq_b[Q, NI, HI]``, ``wk[D, HI]``, ``k_norm``, ``weights_proj[D, NI]``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        ix = cfg.indexer
+        self.cfg = cfg
+        D, Q, NI, HI = cfg.d_model, cfg.mla.q_lora_rank, ix.num_heads, ix.head_dim
+        init, pdtype = normal(cfg.init_std), jnp.dtype(cfg.param_dtype)
+        self.wq_b = param(rngs, (Q, NI, HI), ("q_latent", "heads", "head_dim"), init, pdtype)
+        self.wk = param(rngs, (D, HI), ("embed", "head_dim"), init, pdtype)
+        self.k_norm = LayerNorm(HI, _K_NORM_EPS, rngs=rngs, param_dtype=pdtype)
+        self.weights_proj = param(rngs, (D, NI), ("embed", "heads"), init, pdtype)
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Rotates the first R dims of the last axis (neox layout); the rest pass through."""
+        R = self.cfg.mla.qk_rope_head_dim
+        inv_freq, attention_factor = rope_frequencies(self.cfg.rope, R)
+        rotated = apply_rope(x[..., :R], positions, inv_freq, attention_factor, interleaved=False)
+        return jnp.concatenate([rotated, x[..., R:]], axis=-1)
+
+    def __call__(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array) -> jax.Array:
+        """Index scores of every query against every key of the same sequence.
+
+        Args:
+            x: ``[B, T, D]`` the layer input.
+            q_latent: ``[B, T, Q]`` the MLA q latent ``q_a_norm(x q_a)``.
+            positions: ``[B, T]`` int32 absolute positions (queries and keys alike).
+
+        Returns:
+            ``[B, T, S]`` float32 scores (S = T), ``-inf`` at non-causal entries. Differentiable
+            with respect to the indexer parameters and the inputs; callers stop gradients.
+        """
+        with jax.named_scope("indexer"):
+            NI, HI = self.cfg.indexer.num_heads, self.cfg.indexer.head_dim
+            q = self._rope(dense("BTQ,QNH->BTNH", q_latent, self.wq_b), positions)
+            k = self._rope(self.k_norm(dense("BSD,DH->BSH", x, self.wk)), positions)
+            dots = jnp.einsum("BTNH,BSH->BTNS", q, k, preferred_element_type=jnp.float32)
+            w = dense("BTD,DN->BTN", x, self.weights_proj).astype(jnp.float32) * NI**-0.5
+            scores = jnp.einsum("BTN,BTNS->BTS", w, jax.nn.relu(dots * HI**-0.5))
+            visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, S]
+            return jnp.where(visible, scores, -jnp.inf)
+
+    def select(self, scores: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Top ``K = min(topk, S)`` keys per query.
+
+        Args:
+            scores: ``[B, T, S]`` from :meth:`__call__` (non-causal entries at ``-inf``).
+            positions: ``[B, T]`` int32 positions of the queries, which are also the keys.
+
+        Returns:
+            ``indices[B, T, K]`` int32 and ``valid[B, T, K]`` bool. A query with fewer than K
+            past tokens gets all of them plus arbitrary future ones marked invalid, as in the
+            reference (whose causal mask drops those).
+        """
+        with jax.named_scope("indexer_topk"):
+            K = min(self.cfg.indexer.topk, scores.shape[-1])
+            _, indices = jax.lax.top_k(jax.lax.stop_gradient(scores), K)
+            key_positions = gather_keys(positions, indices)  # [B, T, K]
+            return indices.astype(jnp.int32), key_positions <= positions[:, :, None]
+
+
+class DSA(MLA):
+    """MLA restricted, per query, to the keys its :class:`Indexer` selects (same MLA params)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.mla.q_lora_rank <= 0:
+            raise ValueError(
+                f"DSA needs model.mla.q_lora_rank > 0 (the indexer reads the q latent), got {cfg.mla.q_lora_rank}"
+            )
+        super().__init__(cfg, rngs=rngs)
+        self.indexer = Indexer(cfg, rngs=rngs)
+
+    def select(self, x: jax.Array, positions: jax.Array, q_latent: jax.Array | None = None):
+        """Runs the indexer on detached inputs: ``(indices[B, T, K], valid[B, T, K])``."""
+        q_latent = self.query_latent(x) if q_latent is None else q_latent
+        scores = self.indexer(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), positions)
+        return self.indexer.select(scores, positions)
+
+    def sparse_attention(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        indices: jax.Array,
+        valid: jax.Array,
+        q_latent: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Attention of each query to its selected keys only, in the absorbed form.
+
+        Args:
+            x: ``[B, T, D]``; positions: ``[B, T]``.
+            indices, valid: ``[B, T, K]`` from :meth:`select`.
+            q_latent: optional precomputed ``[B, T, Q]``.
+
+        Returns:
+            ``y[B, T, D]`` and the attention probabilities ``[B, T, N, K]`` (fp32, zero where
+            not valid).
+        """
+        q_latent = self.query_latent(x) if q_latent is None else q_latent
+        q_nope, q_rope = self.queries(x, positions, q_latent)
+        c_kv, k_rope = self.latents(x, positions)
+        with jax.named_scope("sparse_attention"):
+            c_sel = gather_keys(c_kv, indices)  # [B, T, K, C]
+            r_sel = gather_keys(k_rope, indices)  # [B, T, K, R]
+            q_lat = self.absorb_query(q_nope)  # [B, T, N, C]
+            logits = jnp.einsum("BTNC,BTKC->BTNK", q_lat, c_sel, preferred_element_type=jnp.float32)
+            logits += jnp.einsum("BTNR,BTKR->BTNK", q_rope, r_sel, preferred_element_type=jnp.float32)
+            probs = masked_softmax(logits * softmax_scale(self.cfg), valid[:, :, None, :])
+            o_lat = jnp.einsum("BTNK,BTKC->BTNC", probs.astype(c_sel.dtype), c_sel)
+        return self.output_from_latent(o_lat), probs
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Causal sparse self-attention over ``x[B, T, D]`` at ``positions[B, T]`` -> ``[B, T, D]``."""
+        with jax.named_scope("dsa"):
+            q_latent = self.query_latent(x)
+            indices, valid = self.select(x, positions, q_latent)
+            y, _ = self.sparse_attention(x, positions, indices, valid, q_latent)
+            return y

@@ -1,0 +1,240 @@
+"""Import HF transformers checkpoints (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``).
+
+Reads the folder ``save_pretrained`` writes: ``config.json`` plus ``model.safetensors`` or
+sharded ``model-*.safetensors`` with ``model.safetensors.index.json``; routed experts stored per
+expert (``mlp.experts.{e}.gate_proj.weight``). Every tensor the model needs must be present and
+of the right shape, and every tensor in the checkpoint must be used (except the multi-token
+prediction layers DeepSeek ships beyond ``num_hidden_layers``), so nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxmoe.checkpoint.hf_attention import load_dsa, load_mla
+from jaxmoe.checkpoint.hf_common import CheckpointError, assign, take
+from jaxmoe.checkpoint.hf_kda import load_kda
+from jaxmoe.checkpoint.hf_moe import load_mlp, load_moe
+from jaxmoe.config import Config, ConfigError, MeshConfig, from_config_dict
+
+SUPPORTED = ("deepseek_v3", "deepseek_v32", "kimi_linear")
+
+
+def _get(hf: Mapping, key: str, default=None, required: bool = False):
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if required:
+        raise ConfigError(f"HF config.json has no field {key!r}")
+    return default
+
+
+def _rope(hf: Mapping) -> dict:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ConfigError(f"HF config rope_parameters.rope_type={kind!r} is not supported; allowed: default, yarn")
+    rope = dict(theta=float(theta), type=kind)
+    if kind == "yarn":
+        factor = params.get("factor")
+        orig = params.get("original_max_position_embeddings")
+        if factor is None:
+            factor = hf["max_position_embeddings"] / orig
+        rope.update(
+            factor=float(factor),
+            original_max_position=int(orig),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            truncate=bool(params.get("truncate", True)),
+        )
+        if params.get("attention_factor") is not None:
+            raise ConfigError("HF config rope_parameters.attention_factor is not supported (derived from mscale)")
+    return rope
+
+
+def _first_k_dense(hf: Mapping, n_layers: int) -> int:
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        return int(_get(hf, "first_k_dense_replace", 0))
+    k = sum(1 for t in types if t == "dense")
+    if list(types) != ["dense"] * k + ["sparse"] * (n_layers - k):
+        raise ConfigError(f"HF config mlp_layer_types must be dense layers then sparse layers, got {types}")
+    return k
+
+
+def config_from_hf(hf: Mapping) -> Config:
+    """Maps an HF ``config.json`` dict onto a validated jaxmoe :class:`Config`."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConfigError(f"HF config model_type={model_type!r} is not supported; allowed: {SUPPORTED}")
+    if _get(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"HF config hidden_act={hf['hidden_act']!r} is not supported; allowed: 'silu'")
+    if hf.get("attention_bias"):
+        raise ConfigError("HF config attention_bias=true is not supported")
+    n_layers = int(_get(hf, "num_hidden_layers", required=True))
+    if model_type == "deepseek_v3":
+        if not hf.get("rope_interleave", True):
+            raise ConfigError("HF config rope_interleave=false is not supported for deepseek_v3 (MLA RoPE is interleaved)")
+        kinds = ("mla",) * n_layers
+    elif model_type == "deepseek_v32":
+        kinds = ("dsa",) * n_layers
+    else:
+        types = hf.get("layer_types")
+        if types is None:
+            raise ConfigError("HF kimi_linear config has no layer_types")
+        mapping = {"full_attention": "mla", "linear_attention": "kda"}
+        bad = [t for t in types if t not in mapping]
+        if bad:
+            raise ConfigError(f"HF config layer_types holds {bad[0]!r}; allowed: {sorted(mapping)}")
+        kinds = tuple(mapping[t] for t in types)
+    if len(kinds) != n_layers:
+        raise ConfigError(f"HF config layer_types has {len(kinds)} entries, num_hidden_layers is {n_layers}")
+    q_lora = hf.get("q_lora_rank") or 0
+    model = dict(
+        vocab_size=int(hf["vocab_size"]),
+        d_model=int(hf["hidden_size"]),
+        layer_kinds=kinds,
+        norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+        max_context=int(_get(hf, "max_position_embeddings", 4096)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope=_rope(hf) if model_type != "kimi_linear" else dict(type="default"),
+        mla=dict(
+            num_heads=int(hf["num_attention_heads"]),
+            q_lora_rank=int(q_lora),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            v_head_dim=int(hf["v_head_dim"]),
+            use_rope=model_type != "kimi_linear",
+        ),
+        moe=dict(
+            num_experts=int(_get(hf, "n_routed_experts") or _get(hf, "num_experts", required=True)),
+            experts_per_token=int(_get(hf, "num_experts_per_tok") or _get(hf, "num_experts_per_token", required=True)),
+            num_shared_experts=int(_get(hf, "n_shared_experts", _get(hf, "num_shared_experts", 0))),
+            expert_ffw_dim=int(hf["moe_intermediate_size"]),
+            dense_ffw_dim=int(hf["intermediate_size"]),
+            num_groups=int(_get(hf, "n_group", _get(hf, "num_expert_group", 1))),
+            topk_groups=int(_get(hf, "topk_group", 1)),
+            routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(_get(hf, "norm_topk_prob", _get(hf, "moe_renormalize", True))),
+            first_k_dense=_first_k_dense(hf, n_layers),
+        ),
+    )
+    if model_type == "deepseek_v32":
+        model["indexer"] = dict(
+            num_heads=int(hf["index_n_heads"]), head_dim=int(hf["index_head_dim"]), topk=int(hf["index_topk"])
+        )
+    if model_type == "kimi_linear":
+        model["kda"] = dict(
+            num_heads=int(hf["linear_num_heads"]),
+            head_dim=int(hf["linear_head_dim"]),
+            conv_kernel=int(hf["linear_conv_kernel_dim"]),
+        )
+    return from_config_dict(dict(model=model, mesh={}, name=f"hf_{model_type}"))
+
+
+class SafetensorsFolder(Mapping):
+    """Lazy read-only view of every tensor in an HF folder, as float32 numpy arrays.
+
+    Records which keys were read (``used``) so the importer can refuse unused tensors.
+    """
+
+    def __init__(self, folder: pathlib.Path):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = folder / "model.safetensors"
+            if not single.is_file():
+                raise CheckpointError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
+            with safe_open(single, "flax") as f:
+                weight_map = {k: single.name for k in f.keys()}
+        self._files = {name: folder / name for name in set(weight_map.values())}
+        for path in self._files.values():
+            if not path.is_file():
+                raise CheckpointError(f"shard {str(path)!r} listed in the index is missing")
+        self._where = weight_map
+        self.used: set[str] = set()
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._where:
+            raise KeyError(key)
+        self.used.add(key)
+        # The flax reader handles bfloat16 (numpy's does not).
+        with safe_open(self._files[self._where[key]], "flax") as f:
+            return np.asarray(f.get_tensor(key), np.float32)
+
+    def __contains__(self, key) -> bool:
+        return key in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_weights(model, tensors: Mapping[str, np.ndarray]) -> None:
+    """Copies every HF tensor into ``model`` (a :class:`jaxmoe.model.Transformer`) in place."""
+    cfg = model.cfg
+    assign(model.embed, take(tensors, "model.embed_tokens.weight"), "model.embed_tokens.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        assign(layer.attn_norm.weight, take(tensors, p + "input_layernorm.weight"), p + "input_layernorm.weight")
+        assign(
+            layer.ffn_norm.weight,
+            take(tensors, p + "post_attention_layernorm.weight"),
+            p + "post_attention_layernorm.weight",
+        )
+        loader = {"mla": load_mla, "dsa": load_dsa, "kda": load_kda}[layer.kind]
+        loader(layer.attn, tensors, p + "self_attn.")
+        if i < cfg.moe.first_k_dense:
+            load_mlp(layer.ffn, tensors, p + "mlp.")
+        else:
+            load_moe(layer.ffn, tensors, p + "mlp.")
+    assign(model.final_norm.weight, take(tensors, "model.norm.weight"), "model.norm.weight")
+    if not cfg.tie_embeddings:
+        assign(model.lm_head, take(tensors, "lm_head.weight").T, "lm_head.weight")
+
+
+def import_hf(src: str | pathlib.Path, mesh: MeshConfig | None = None):
+    """Reads an HF folder; returns ``(cfg, model)`` with the weights loaded on the host."""
+    from jaxmoe.model import Transformer  # noqa: PLC0415 (the model imports every module)
+
+    src = pathlib.Path(src)
+    cfg_file = src / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{str(src)!r} is not an HF checkpoint folder: it has no config.json")
+    cfg = config_from_hf(json.loads(cfg_file.read_text()))
+    if mesh is not None:
+        cfg = dataclasses.replace(cfg, mesh=mesh)
+    tensors = SafetensorsFolder(src)
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    load_weights(model, tensors)
+    extra = _mtp_free(set(tensors) - tensors.used, cfg.model.num_layers)
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {str(src)!r} holds {len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}"
+        )
+    return cfg, model
+
+
+def _mtp_free(keys: set[str], n_layers: int) -> set[str]:
+    """Drops DeepSeek's multi-token-prediction layers (indices >= num_hidden_layers) from ``keys``."""
+    out = set()
+    for k in keys:
+        m = re.match(r"model\.layers\.(\d+)\.", k)
+        if m and int(m.group(1)) >= n_layers:
+            continue
+        out.add(k)
+    return out

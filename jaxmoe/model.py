@@ -1,0 +1,115 @@
+"""The hybrid decoder: embedding, a stack of MLA / DSA / KDA + MoE layers, final norm, LM head.
+
+Shape letters: B batch, T sequence, D model dim, V vocab.
+
+Each layer is ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; the attention kind comes from
+``cfg.layer_kinds[i]``, the FFN is a dense MLP for the first ``moe.first_k_dense`` layers and the
+DeepSeek MoE after. Parameters carry logical axis names; :func:`create_model` builds the model
+directly into its sharded layout (no full-size host copy) when given a mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.attention.dsa import DSA
+from jaxmoe.attention.kda import KDA
+from jaxmoe.attention.mla import MLA
+from jaxmoe.config import ModelConfig
+from jaxmoe.moe import MLP, MoE
+from jaxmoe.nn import RMSNorm, dense, param
+from jaxmoe.nn.linear import normal
+from jaxmoe.sharding import constrain, state_shardings
+
+ATTENTION_MODULES = {"mla": MLA, "dsa": DSA, "kda": KDA}
+ACTIVATION_AXES = ("batch", "seq", "act_embed")
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm residual block: attention of the given kind, then a dense or MoE FFN."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
+        self.kind = cfg.layer_kinds[index]
+        pdt = _dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+        self.attn = ATTENTION_MODULES[self.kind](cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+        if index < cfg.moe.first_k_dense:
+            self.ffn = MLP(cfg.d_model, cfg.moe.dense_ffw_dim, cfg, rngs=rngs)
+        else:
+            self.ffn = MoE(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        with jax.named_scope(f"attn_{self.kind}"):
+            x = x + self.attn(self.attn_norm(x), positions)
+        x = constrain(x, ACTIVATION_AXES)
+        with jax.named_scope("ffn"):
+            x = x + self.ffn(self.ffn_norm(x))
+        return constrain(x, ACTIVATION_AXES)
+
+
+class Transformer(nnx.Module):
+    """Token ids ``[B, T]`` to fp32 logits ``[B, T, V]``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pdt = _dtype(cfg.param_dtype)
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), normal(cfg.init_std), pdt)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), normal(cfg.init_std), pdt)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Final-norm hidden states ``[B, T, D]``."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(self.cfg.dtype))  # [B, T, D]
+        x = constrain(x, ACTIVATION_AXES)
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x = layer(x, positions)
+        return self.final_norm(x)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        x = self.hidden(tokens, positions)
+        if self.cfg.tie_embeddings:
+            logits = dense("BTD,VD->BTV", x, self.embed)
+        else:
+            logits = dense("BTD,DV->BTV", x, self.lm_head)
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def create_model(cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Transformer:
+    """Builds the model; with a mesh, every parameter is created directly in its sharded layout."""
+    if mesh is None:
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh))
+
+    init = jax.jit(
+        lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))), out_shardings=shardings
+    )
+    state = nnx.state(abstract)
+    nnx.replace_by_pure_dict(state, init())
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+    """Places an existing (e.g. freshly imported) model's variables onto ``mesh`` by the rules."""
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh)
+    state = jax.device_put(state, shardings)
+    return nnx.merge(graphdef, state)
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes only, no memory."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
