@@ -13,6 +13,7 @@ def model(layer_kind="mla"):
     return dict(
         vocab_size=129280,
         d_model=7168,
+        num_layers=61,
         layer_kinds=(layer_kind,) * 61,
         norm_eps=1e-6,
         max_context=163840,

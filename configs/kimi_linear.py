@@ -15,6 +15,7 @@ def get_config(arg=None):
     c.model = dict(
         vocab_size=163840,
         d_model=2304,
+        num_layers=27,
         layer_kinds=tuple("mla" if i + 1 in FULL_ATTENTION_LAYERS else "kda" for i in range(27)),
         norm_eps=1e-5,
         max_context=1048576,

@@ -39,6 +39,7 @@ def get_config(arg=None):
     c.model = dict(
         vocab_size=163840,
         d_model=7168,
+        num_layers=N_LAYERS,
         layer_kinds=_layer_kinds(),
         norm_eps=1e-6,
         max_context=1048576,

@@ -15,6 +15,7 @@ def get_config(arg=None):
     c.model = dict(
         vocab_size=512,
         d_model=64,
+        num_layers=4,
         layer_kinds=("mla", "kda", "dsa", "kda"),
         norm_eps=1e-6,
         max_context=4096,

@@ -97,7 +97,8 @@ class MoEConfig:
 class ModelConfig:
     vocab_size: int = 256
     d_model: int = 32
-    layer_kinds: tuple[str, ...] = ("mla",)
+    num_layers: int = 1
+    layer_kinds: tuple[str, ...] = ("mla",)  # one attention kind per layer, len == num_layers
     norm_eps: float = 1e-6
     max_context: int = 4096
     tie_embeddings: bool = False
@@ -109,10 +110,6 @@ class ModelConfig:
     indexer: IndexerConfig = IndexerConfig()
     kda: KDAConfig = KDAConfig()
     moe: MoEConfig = MoEConfig()
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_kinds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +240,15 @@ def validate(cfg: Config) -> None:
     m, mesh = cfg.model, cfg.mesh
     for a in MESH_AXES:
         _positive(getattr(mesh, a), f"mesh.{a}")
-    for f in ("vocab_size", "d_model", "max_context"):
+    for f in ("vocab_size", "d_model", "num_layers", "max_context"):
         _positive(getattr(m, f), f"model.{f}")
     _require(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
     _require(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}, got {m.param_dtype!r}")
-    _require(len(m.layer_kinds) > 0, "model.layer_kinds", "needs at least one layer")
+    _require(
+        len(m.layer_kinds) == m.num_layers,
+        "model.layer_kinds",
+        f"has {len(m.layer_kinds)} entries, model.num_layers is {m.num_layers}: give one kind per layer",
+    )
     for i, kind in enumerate(m.layer_kinds):
         _require(
             kind in ATTENTION_KINDS,

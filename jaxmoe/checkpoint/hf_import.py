@@ -103,6 +103,7 @@ def config_from_hf(hf: Mapping) -> Config:
     model = dict(
         vocab_size=int(hf["vocab_size"]),
         d_model=int(hf["hidden_size"]),
+        num_layers=n_layers,
         layer_kinds=kinds,
         norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
         max_context=int(_get(hf, "max_position_embeddings", 4096)),
