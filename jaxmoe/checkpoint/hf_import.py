@@ -106,7 +106,7 @@ def config_from_hf(hf: Mapping) -> Config:
         num_layers=n_layers,
         layer_kinds=kinds,
         norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
-        max_context=int(_get(hf, "max_position_embeddings", 4096)),
+        max_context=int(_get(hf, "max_position_embeddings") or _get(hf, "model_max_length", 4096)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope=_rope(hf) if model_type != "kimi_linear" else dict(type="default"),
         mla=dict(
