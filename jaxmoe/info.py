@@ -31,24 +31,33 @@ def model_info(cfg: Config) -> dict:
     inactive = 0
     for _, module in nnx.iter_graph(model):
         if isinstance(module, MoE):
-            routed = _size([module.w_gate[...], module.w_up[...], module.w_down[...]])
+            routed = _size([module.w_gate.get_value(), module.w_up.get_value(), module.w_down.get_value()])
             inactive += routed * (m.moe.num_experts - m.moe.experts_per_token) // m.moe.num_experts
 
     dtype = jnp.dtype(m.dtype)
-    one_token = jax.ShapeDtypeStruct((1, 1, m.d_model), dtype)
-    one_pos = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    kv_bytes = state_bytes = 0
-    for layer in model.layers:
-        if layer.kind in ("mla", "dsa"):
-            kv_bytes += _nbytes(jax.eval_shape(layer.attn.cache_entry, one_token, one_pos))
-        else:
-            state_bytes += _nbytes(jax.eval_shape(lambda a=layer.attn: a.init_state(1, dtype)))
+    graphdef, state = nnx.split(model)
+
+    def caches(state):
+        """What decoding keeps: per token for mla/dsa layers, per sequence for kda layers."""
+        x = jnp.zeros((1, 1, m.d_model), dtype)
+        positions = jnp.zeros((1, 1), jnp.int32)
+        per_token, per_sequence = [], []
+        for layer in nnx.merge(graphdef, state).layers:
+            if layer.kind == "kda":
+                per_sequence.append(layer.attn.init_state(1))
+                continue
+            per_token.append(layer.attn.latents(x.astype(dtype), positions))
+            if layer.kind == "dsa":  # the indexer's key cache
+                per_token.append(jnp.zeros((1, 1, m.indexer.head_dim), dtype))
+        return per_token, per_sequence
+
+    per_token, per_sequence = jax.eval_shape(caches, state)
     return {
         "name": cfg.name,
         "total_params": total,
         "active_params": total - inactive,
         "layers": dict(collections.Counter(m.layer_kinds)),
-        "kv_cache_bytes_per_token": kv_bytes,
-        "state_bytes_per_sequence": state_bytes,
+        "kv_cache_bytes_per_token": _nbytes(per_token),
+        "state_bytes_per_sequence": _nbytes(per_sequence),
         "max_context": m.max_context,
     }

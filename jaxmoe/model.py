@@ -20,7 +20,7 @@ from jaxmoe.attention.mla import MLA
 from jaxmoe.config import ModelConfig
 from jaxmoe.moe import MLP, MoE
 from jaxmoe.nn import RMSNorm, dense, param
-from jaxmoe.nn.linear import normal
+from jaxmoe.nn.linear import abstract_params, normal
 from jaxmoe.sharding import constrain, state_shardings
 
 ATTENTION_MODULES = {"mla": MLA, "dsa": DSA, "kda": KDA}
@@ -90,7 +90,7 @@ def create_model(cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | N
     """Builds the model; with a mesh, every parameter is created directly in its sharded layout."""
     if mesh is None:
         return Transformer(cfg, rngs=nnx.Rngs(seed))
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    abstract = abstract_model(cfg)
     graphdef, abstract_state = nnx.split(abstract)
     shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh))
 
@@ -112,4 +112,5 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes only, no memory."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    with abstract_params():
+        return Transformer(cfg, rngs=nnx.Rngs(0))

@@ -93,3 +93,19 @@ def test_logits_shape_and_dtype(cfg, single_device):
     logits = model(jnp.asarray(inputs))
     assert logits.shape == (8, 5, cfg.model.vocab_size) and logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_abstract_model_matches_eval_shape(cfg):
+    """The no-trace abstract construction equals nnx.eval_shape of the real constructor."""
+    from jaxmoe.model import Transformer, abstract_model
+
+    fast = nnx.state(abstract_model(cfg.model))
+    slow = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    fast_leaves, fast_def = jax.tree.flatten(fast, is_leaf=is_var)
+    slow_leaves, slow_def = jax.tree.flatten(slow, is_leaf=is_var)
+    assert fast_def == slow_def
+    for a, b in zip(fast_leaves, slow_leaves):
+        assert type(a) is type(b)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        assert a.get_metadata()["axes"] == b.get_metadata()["axes"]

@@ -7,7 +7,9 @@ convention; the HF importer transposes torch's ``[out, in]``. Every weight matmu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,24 @@ def zeros(key, shape, dtype):
     return jnp.zeros(shape, dtype)
 
 
+_ABSTRACT = contextvars.ContextVar("jaxmoe_abstract_params", default=False)
+
+
+@contextlib.contextmanager
+def abstract_params() -> Iterator[None]:
+    """Within this context :func:`param` makes ``jax.ShapeDtypeStruct`` values: no memory, no tracing.
+
+    Equivalent to ``nnx.eval_shape`` of a constructor, but linear in model size (tracing a
+    96-layer constructor under ``eval_shape`` takes minutes: each RNG-counter update inspects
+    the growing trace).
+    """
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
+
+
 def param(
     rngs: nnx.Rngs,
     shape: Sequence[int],
@@ -42,6 +62,8 @@ def param(
     shape = tuple(int(s) for s in shape)
     if len(shape) != len(axes):
         raise ValueError(f"shape {shape} and logical axes {tuple(axes)} differ in rank")
+    if _ABSTRACT.get():
+        return kind(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), axes=tuple(axes))
     return kind(init(rngs.params(), shape, dtype), axes=tuple(axes))
 
 
