@@ -29,7 +29,9 @@ def load_kda(module: KDA, tensors: Mapping[str, np.ndarray], prefix: str) -> Non
 
     key, conv = weight("conv1d.weight")
     if conv.shape != (3 * n * h, 1, kw):
-        raise CheckpointError(f"tensor {key!r} has shape {conv.shape}, the model expects {(3 * n * h, 1, kw)}")
+        raise CheckpointError(
+            f"tensor {key!r} has shape {conv.shape}, the model expects {(3 * n * h, 1, kw)}"
+        )
     conv = conv[:, 0].reshape(3, n, h, kw).transpose(3, 0, 1, 2)  # [K, 3, N, H]
     for i, ours in enumerate(("q_conv", "k_conv", "v_conv")):
         assign(getattr(module, ours), conv[:, i], key)
