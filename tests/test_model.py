@@ -54,9 +54,10 @@ def single_device(cfg):
 def test_sharded_equals_single_device(cfg, mesh, single_device):
     model0, loss0, grads0 = single_device
     model = create_model(cfg.model, seed=0, mesh=mesh)
-    # Built in its sharded layout, from the same seed: identical parameters.
+    # Built in its sharded layout from the same seed: the same parameters (XLA's partitioned
+    # random-normal may differ from the eager one in the last float32 bit, ~1e-8 here).
     jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7),
         nnx.to_pure_dict(nnx.state(model0)),
         nnx.to_pure_dict(nnx.state(model)),
     )
@@ -68,6 +69,8 @@ def test_sharded_equals_single_device(cfg, mesh, single_device):
     if sizes["tensor"] > 1:
         assert not model.lm_head[...].sharding.is_fully_replicated
 
+    # Numerics on the exact single-device parameters, placed on the mesh by the rules.
+    model = shard_model(model0, mesh)
     inputs, targets = _batch(cfg)
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "seq")))
     inputs, targets = jax.device_put(inputs, batch_sharding), jax.device_put(targets, batch_sharding)
