@@ -73,10 +73,10 @@ def grouped_experts(
     with jax.named_scope("expert_combine"):
         unsort = jnp.argsort(order)  # [A]: inverse permutation
         out = out_sorted[unsort].reshape(N, K, -1)  # [N, K, D]
-        y = jnp.einsum(
-            "NKD,NK->ND", out, weights.astype(out.dtype), precision=jax.lax.Precision.HIGHEST
-        )
-    return y
+        # Weight and sum in fp32, the router weights' dtype (HF also weights in fp32).
+        out32, weights32 = out.astype(jnp.float32), weights.astype(jnp.float32)
+        y = jnp.einsum("NKD,NK->ND", out32, weights32, precision=jax.lax.Precision.HIGHEST)  # [N, D]
+    return y.astype(x_flat.dtype)
 
 
 def get_dispatch(name: str) -> Dispatch:
