@@ -29,7 +29,12 @@ def model(layer_kind="mla"):
             mscale_all_dim=1.0,
         ),
         mla=dict(
-            num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            num_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
         ),
         moe=dict(
             num_experts=256,

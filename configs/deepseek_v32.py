@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 (671B): DeepSeek-V3 with DSA (lightning indexer, top-2,048) in every layer.
 
-    jaxmoe info --config configs/deepseek_v32.py
+jaxmoe info --config configs/deepseek_v32.py
 """
 
 import pathlib

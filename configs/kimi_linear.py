@@ -1,6 +1,6 @@
 """Kimi Linear 48B-A3B: 20 KDA layers and 7 NoPE MLA layers (1-indexed 4, 8, ..., 24, 27).
 
-    jaxmoe info --config configs/kimi_linear.py
+jaxmoe info --config configs/kimi_linear.py
 """
 
 import ml_collections

@@ -56,7 +56,12 @@ def get_config(arg=None):
             mscale_all_dim=1.0,
         ),
         mla=dict(
-            num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            num_heads=64,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
         ),
         indexer=dict(num_heads=64, head_dim=128, topk=2048),
         kda=dict(num_heads=64, head_dim=128, conv_kernel=4, chunk_size=64),

@@ -20,7 +20,14 @@ def get_config(arg=None):
         norm_eps=1e-6,
         max_context=4096,
         rope=dict(theta=10000.0, type="default"),
-        mla=dict(num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        mla=dict(
+            num_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        ),
         indexer=dict(num_heads=4, head_dim=16, topk=32),
         kda=dict(num_heads=4, head_dim=16, conv_kernel=4, chunk_size=16),
         moe=dict(

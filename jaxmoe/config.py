@@ -17,7 +17,7 @@ from typing import Any
 ATTENTION_KINDS = ("mla", "dsa", "kda")
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 ROPE_TYPES = ("default", "yarn")
-MOE_DISPATCH = ("dense", "dropless", "capacity", "ragged")
+MOE_DISPATCH = ("dense",)  # expert-parallel paths (dropless, capacity, ragged) come with issue 3
 DTYPES = ("float32", "bfloat16")
 
 
@@ -268,7 +268,11 @@ def validate(cfg: Config) -> None:
         a = m.mla
         for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             _positive(getattr(a, f), f"model.mla.{f}")
-        _require(a.q_lora_rank >= 0, "model.mla.q_lora_rank", f"must be >= 0 (0: no q compression), got {a.q_lora_rank}")
+        _require(
+            a.q_lora_rank >= 0,
+            "model.mla.q_lora_rank",
+            f"must be >= 0 (0: no q compression), got {a.q_lora_rank}",
+        )
         _require(
             a.qk_rope_head_dim > 0 and a.qk_rope_head_dim % 2 == 0,
             "model.mla.qk_rope_head_dim",
@@ -279,7 +283,9 @@ def validate(cfg: Config) -> None:
         for f in ("num_heads", "head_dim", "topk"):
             _positive(getattr(ix, f), f"model.indexer.{f}")
         _require(
-            m.mla.q_lora_rank > 0, "model.mla.q_lora_rank", "dsa layers need q_lora_rank > 0 (the indexer reads the q latent)"
+            m.mla.q_lora_rank > 0,
+            "model.mla.q_lora_rank",
+            "dsa layers need q_lora_rank > 0 (the indexer reads the q latent)",
         )
         _require(
             ix.head_dim >= m.mla.qk_rope_head_dim,
@@ -302,9 +308,7 @@ def validate(cfg: Config) -> None:
     )
     if e.first_k_dense:
         _positive(e.dense_ffw_dim, "model.moe.dense_ffw_dim")
-    _require(
-        e.dispatch in MOE_DISPATCH, "model.moe.dispatch", f"must be one of {MOE_DISPATCH}, got {e.dispatch!r}"
-    )
+    _require(e.dispatch in MOE_DISPATCH, "model.moe.dispatch", f"must be one of {MOE_DISPATCH}, got {e.dispatch!r}")
     _require(
         e.experts_per_token <= e.num_experts,
         "model.moe.experts_per_token",
@@ -344,7 +348,9 @@ def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
         "ffw": [],
     }
     if m.moe.num_shared_experts:
-        dims["ffw"].append(("model.moe.expert_ffw_dim*num_shared_experts", m.moe.expert_ffw_dim * m.moe.num_shared_experts))
+        dims["ffw"].append(
+            ("model.moe.expert_ffw_dim*num_shared_experts", m.moe.expert_ffw_dim * m.moe.num_shared_experts)
+        )
     if m.moe.first_k_dense:
         dims["ffw"].append(("model.moe.dense_ffw_dim", m.moe.dense_ffw_dim))
     kinds = set(m.layer_kinds)

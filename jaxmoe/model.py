@@ -94,9 +94,7 @@ def create_model(cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | N
     graphdef, abstract_state = nnx.split(abstract)
     shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh))
 
-    init = jax.jit(
-        lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))), out_shardings=shardings
-    )
+    init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))), out_shardings=shardings)
     state = nnx.state(abstract)
     nnx.replace_by_pure_dict(state, init())
     return nnx.merge(graphdef, state)

@@ -1,6 +1,6 @@
 """Forward pass of a config's model on its mesh (XLA's fake CPU devices), as one JSON line.
 
-    python launch/tiny_forward.py --config configs/tiny.py [--batch 8] [--seq 128]
+python launch/tiny_forward.py --config configs/tiny.py [--batch 8] [--seq 128]
 """
 
 import argparse

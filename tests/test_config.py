@@ -31,7 +31,10 @@ def _with(path: str, value):
 
 
 BAD = {
-    "unknown attention kind": (_with("model.layer_kinds", ("mla", "kda", "gqa", "kda")), "model.layer_kinds[2]"),
+    "unknown attention kind": (
+        _with("model.layer_kinds", ("mla", "kda", "gqa", "kda")),
+        "model.layer_kinds[2]",
+    ),
     "top-k larger than experts": (_with("model.moe.experts_per_token", 9), "model.moe.experts_per_token"),
     "heads not divisible by tensor axis": (_with("model.mla.num_heads", 3), "model.mla.num_heads"),
     "expert axis does not divide experts": (_with("mesh.expert", 3), "model.moe.num_experts"),

@@ -105,8 +105,7 @@ class DSA(MLA):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if cfg.mla.q_lora_rank <= 0:
             raise ValueError(
-                "DSA needs model.mla.q_lora_rank > 0 (the indexer reads the q latent), "
-                f"got {cfg.mla.q_lora_rank}"
+                f"DSA needs model.mla.q_lora_rank > 0 (the indexer reads the q latent), got {cfg.mla.q_lora_rank}"
             )
         super().__init__(cfg, rngs=rngs)
         self.indexer = Indexer(cfg, rngs=rngs)

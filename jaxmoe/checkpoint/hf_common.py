@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -22,10 +23,12 @@ def take(tensors: Mapping[str, np.ndarray], key: str) -> np.ndarray:
 def assign(variable: nnx.Variable, value: np.ndarray, name: str) -> None:
     """Sets ``variable`` to ``value``, refusing a shape mismatch (``name`` is the source key)."""
     value = np.asarray(value)
-    want = tuple(variable[...].shape)
+    current = variable.get_value()
+    want = tuple(current.shape)
     if tuple(value.shape) != want:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(value.shape)}, the model expects {want}")
-    variable[...] = value.astype(variable[...].dtype)
+    # set_value replaces the array outright (indexed assignment would compile an update per shape).
+    variable.set_value(jnp.asarray(value, dtype=current.dtype))
 
 
 def linear_in_out(weight: np.ndarray, out_shape: Sequence[int]) -> np.ndarray:

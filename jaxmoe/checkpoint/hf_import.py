@@ -22,7 +22,7 @@ from safetensors import safe_open
 from jaxmoe.checkpoint.hf_attention import load_dsa, load_mla
 from jaxmoe.checkpoint.hf_common import CheckpointError, assign, take
 from jaxmoe.checkpoint.hf_kda import load_kda
-from jaxmoe.checkpoint.hf_moe import load_mlp, load_moe
+from jaxmoe.checkpoint.hf_moe import DEEPSEEK_EXPERT_NAMES, KIMI_EXPERT_NAMES, load_mlp, load_moe
 from jaxmoe.config import Config, ConfigError, MeshConfig, from_config_dict
 
 SUPPORTED = ("deepseek_v3", "deepseek_v32", "kimi_linear")
@@ -84,7 +84,9 @@ def config_from_hf(hf: Mapping) -> Config:
     n_layers = int(_get(hf, "num_hidden_layers", required=True))
     if model_type == "deepseek_v3":
         if not hf.get("rope_interleave", True):
-            raise ConfigError("HF config rope_interleave=false is not supported for deepseek_v3 (MLA RoPE is interleaved)")
+            raise ConfigError(
+                "HF config rope_interleave=false is not supported for deepseek_v3 (MLA RoPE is interleaved)"
+            )
         kinds = ("mla",) * n_layers
     elif model_type == "deepseek_v32":
         kinds = ("dsa",) * n_layers
@@ -185,9 +187,19 @@ class SafetensorsFolder(Mapping):
         return len(self._where)
 
 
-def load_weights(model, tensors: Mapping[str, np.ndarray]) -> None:
+# Saved FFN block name and routed-expert (gate, up, down) names per family: Kimi Linear keeps the
+# original checkpoint's names, which transformers renames only in memory.
+FFN_LAYOUT = {
+    "deepseek_v3": ("mlp.", DEEPSEEK_EXPERT_NAMES),
+    "deepseek_v32": ("mlp.", DEEPSEEK_EXPERT_NAMES),
+    "kimi_linear": ("block_sparse_moe.", KIMI_EXPERT_NAMES),
+}
+
+
+def load_weights(model, tensors: Mapping[str, np.ndarray], model_type: str) -> None:
     """Copies every HF tensor into ``model`` (a :class:`jaxmoe.model.Transformer`) in place."""
     cfg = model.cfg
+    ffn_prefix, expert_names = FFN_LAYOUT[model_type]
     assign(model.embed, take(tensors, "model.embed_tokens.weight"), "model.embed_tokens.weight")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
@@ -200,9 +212,9 @@ def load_weights(model, tensors: Mapping[str, np.ndarray]) -> None:
         loader = {"mla": load_mla, "dsa": load_dsa, "kda": load_kda}[layer.kind]
         loader(layer.attn, tensors, p + "self_attn.")
         if i < cfg.moe.first_k_dense:
-            load_mlp(layer.ffn, tensors, p + "mlp.")
+            load_mlp(layer.ffn, tensors, p + ffn_prefix)
         else:
-            load_moe(layer.ffn, tensors, p + "mlp.")
+            load_moe(layer.ffn, tensors, p + ffn_prefix, expert_names)
     assign(model.final_norm.weight, take(tensors, "model.norm.weight"), "model.norm.weight")
     if not cfg.tie_embeddings:
         assign(model.lm_head, take(tensors, "lm_head.weight").T, "lm_head.weight")
@@ -216,12 +228,13 @@ def import_hf(src: str | pathlib.Path, mesh: MeshConfig | None = None):
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{str(src)!r} is not an HF checkpoint folder: it has no config.json")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()))
+    hf = json.loads(cfg_file.read_text())
+    cfg = config_from_hf(hf)
     if mesh is not None:
         cfg = dataclasses.replace(cfg, mesh=mesh)
     tensors = SafetensorsFolder(src)
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
-    load_weights(model, tensors)
+    load_weights(model, tensors, hf["model_type"])
     extra = _mtp_free(set(tensors) - tensors.used, cfg.model.num_layers)
     if extra:
         raise CheckpointError(

@@ -13,9 +13,11 @@ from jaxmoe.checkpoint.hf_common import CheckpointError, assign, linear_heads_ou
 def load_kda(module: KDA, tensors: Mapping[str, np.ndarray], prefix: str) -> None:
     """Fills ``module`` from the tensors under ``prefix`` (e.g. ``'model.layers.0.self_attn.'``).
 
-    Keys read (torch ``[out, in]`` weights): ``q_proj``, ``k_proj``, ``v_proj``, ``conv1d``
-    (``[3*N*H, 1, K]``, channels ordered q|k|v), ``forget_gate.{f_a_proj, f_b_proj, dt_bias,
-    A_log}``, ``b_proj``, ``g_a_proj``, ``g_b_proj``, ``o_norm.weight``, ``o_proj``.
+    Reads the layout ``save_pretrained`` writes (that of the released Kimi Linear checkpoints;
+    transformers renames it on load): torch ``[out, in]`` weights ``q_proj``, ``k_proj``,
+    ``v_proj``, depthwise ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (``[N*H, 1, K]`` each),
+    ``f_a_proj``, ``f_b_proj``, ``dt_bias`` ``[N*H]``, ``A_log`` ``[1, 1, N, 1]``, ``b_proj``,
+    ``g_a_proj``, ``g_b_proj``, ``o_norm.weight``, ``o_proj``.
     """
     n, h, kw = module.num_heads, module.head_dim, module.conv_kernel
 
@@ -27,24 +29,21 @@ def load_kda(module: KDA, tensors: Mapping[str, np.ndarray], prefix: str) -> Non
         key, w = weight(f"{theirs}.weight")
         assign(getattr(module, ours), linear_in_out(w, (n, h)), key)
 
-    key, conv = weight("conv1d.weight")
-    if conv.shape != (3 * n * h, 1, kw):
-        raise CheckpointError(
-            f"tensor {key!r} has shape {conv.shape}, the model expects {(3 * n * h, 1, kw)}"
-        )
-    conv = conv[:, 0].reshape(3, n, h, kw).transpose(3, 0, 1, 2)  # [K, 3, N, H]
-    for i, ours in enumerate(("q_conv", "k_conv", "v_conv")):
-        assign(getattr(module, ours), conv[:, i], key)
+    for stream in "qkv":
+        key, conv = weight(f"{stream}_conv1d.weight")
+        if conv.shape != (n * h, 1, kw):
+            raise CheckpointError(f"tensor {key!r} has shape {conv.shape}, the model expects {(n * h, 1, kw)}")
+        assign(getattr(module, f"{stream}_conv"), conv[:, 0].reshape(n, h, kw).transpose(2, 0, 1), key)
 
-    key, w = weight("forget_gate.f_a_proj.weight")
+    key, w = weight("f_a_proj.weight")
     assign(module.f_a, w.T, key)  # [H, D] -> [D, H]
-    key, w = weight("forget_gate.f_b_proj.weight")
+    key, w = weight("f_b_proj.weight")
     assign(module.f_b, linear_in_out(w, (n, h)), key)
-    key, w = weight("forget_gate.dt_bias")
+    key, w = weight("dt_bias")
     if w.size != n * h:
         raise CheckpointError(f"tensor {key!r} has shape {w.shape}, the model expects {(n * h,)}")
     assign(module.dt_bias, w.reshape(n, h), key)  # [N*H] head-major -> [N, H]
-    key, w = weight("forget_gate.A_log")
+    key, w = weight("A_log")
     if w.size != n:
         raise CheckpointError(f"tensor {key!r} has shape {w.shape}, the model expects {(1, 1, n, 1)}")
     assign(module.A_log, w.reshape(n), key)  # [1, 1, N, 1] -> [N]

@@ -9,7 +9,9 @@ such as ``model.layers.3.mlp.``::
     {prefix}shared_experts.gate_proj.weight ...                                         (an MLP)
 
 transformers fuses experts in memory (``experts.gate_up_proj [E, 2F, D]``) but saves them per
-expert; only the saved layout is read here.
+expert; only the saved layout is read here. Kimi Linear's saved layout names the block
+``block_sparse_moe.`` and its routed experts ``w1`` (gate), ``w3`` (up), ``w2`` (down):
+pass ``expert_names=KIMI_EXPERT_NAMES``.
 """
 
 from __future__ import annotations
@@ -34,17 +36,29 @@ def _stack_experts(tensors: Mapping[str, np.ndarray], prefix: str, name: str, nu
     return np.stack([take(tensors, f"{prefix}experts.{e}.{name}.weight").T for e in range(num_experts)])
 
 
-def load_moe(module: MoE, tensors: Mapping[str, np.ndarray], prefix: str) -> None:
-    """Reads a DeepSeek-V3 MoE block (router, bias, routed and shared experts) into ``module``."""
+DEEPSEEK_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+KIMI_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def load_moe(
+    module: MoE,
+    tensors: Mapping[str, np.ndarray],
+    prefix: str,
+    expert_names: tuple[str, str, str] = DEEPSEEK_EXPERT_NAMES,
+) -> None:
+    """Reads a DeepSeek-style MoE block (router, bias, routed and shared experts) into ``module``.
+
+    ``expert_names`` are the saved names of each routed expert's gate, up and down projections.
+    """
     E = module.moe.num_experts
     if f"{prefix}experts.gate_up_proj" in tensors:
         raise CheckpointError(
             f"found fused {prefix!r}experts.gate_up_proj (transformers' in-memory layout); "
             f"expected per-expert tensors {prefix!r}experts.<e>.gate_proj.weight as saved on disk"
         )
-    if f"{prefix}experts.{E}.gate_proj.weight" in tensors:
+    if f"{prefix}experts.{E}.{expert_names[0]}.weight" in tensors:
         raise CheckpointError(
-            f"checkpoint has tensor {prefix}experts.{E}.gate_proj.weight, more routed experts than "
+            f"checkpoint has tensor {prefix}experts.{E}.{expert_names[0]}.weight, more routed experts than "
             f"model.moe.num_experts={E}"
         )
 
@@ -53,7 +67,7 @@ def load_moe(module: MoE, tensors: Mapping[str, np.ndarray], prefix: str) -> Non
     key = f"{prefix}gate.e_score_correction_bias"
     assign(module.router_bias, take(tensors, key), key)
 
-    for attr, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+    for attr, name in zip(("w_gate", "w_up", "w_down"), expert_names):
         stacked = _stack_experts(tensors, prefix, name, E)  # [E, in, out]
         assign(getattr(module, attr), stacked, f"{prefix}experts.*.{name}.weight (stacked)")
 
@@ -61,6 +75,4 @@ def load_moe(module: MoE, tensors: Mapping[str, np.ndarray], prefix: str) -> Non
     if module.shared is not None:
         load_mlp(module.shared, tensors, f"{prefix}shared_experts.")
     elif shared_key in tensors:
-        raise CheckpointError(
-            f"checkpoint has shared experts ({shared_key!r}) but model.moe.num_shared_experts=0"
-        )
+        raise CheckpointError(f"checkpoint has shared experts ({shared_key!r}) but model.moe.num_shared_experts=0")

@@ -32,9 +32,7 @@ def _grouped_dense(x_sorted: jax.Array, w: jax.Array | nnx.Variable, group_sizes
     Like :func:`jaxmoe.nn.dense`, the weight is cast to the activation's dtype.
     """
     w = w[...] if isinstance(w, nnx.Variable) else w
-    return jax.lax.ragged_dot(
-        x_sorted, w.astype(x_sorted.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST
-    )
+    return jax.lax.ragged_dot(x_sorted, w.astype(x_sorted.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST)
 
 
 def grouped_experts(
@@ -79,13 +77,11 @@ def grouped_experts(
     return y.astype(x_flat.dtype)
 
 
+_DISPATCH: dict[str, Dispatch] = {"dense": grouped_experts}
+
+
 def get_dispatch(name: str) -> Dispatch:
-    """The routed-expert function for ``cfg.moe.dispatch``; refuses paths not built yet."""
-    table: dict[str, Dispatch] = {"dense": grouped_experts}
-    if name not in table:
-        known = ", ".join(repr(n) for n in MOE_DISPATCH)
-        raise NotImplementedError(
-            f"model.moe.dispatch={name!r} is not implemented yet; available: {sorted(table)} "
-            f"(config allows {known})"
-        )
-    return table[name]
+    """The routed-expert function for ``cfg.moe.dispatch`` (one of ``MOE_DISPATCH``)."""
+    if name not in _DISPATCH:
+        raise ValueError(f"model.moe.dispatch={name!r} is not one of {MOE_DISPATCH}")
+    return _DISPATCH[name]

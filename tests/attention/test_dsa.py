@@ -25,9 +25,7 @@ ATOL = 1e-5
 B, T, TOPK = 2, 40, 16
 D, N, NOPE, ROPE, V, C, Q = 24, 3, 6, 4, 5, 11, 13
 NI, HI = 9, 7  # enough indexer heads that all-ReLU-zero ties are rare
-YARN = dict(
-    factor=4.0, original_max_position=16, beta_fast=32.0, beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0
-)
+YARN = dict(factor=4.0, original_max_position=16, beta_fast=32.0, beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0)
 
 
 def _configs(topk=TOPK):
@@ -150,10 +148,7 @@ def test_topk_covering_everything_is_dense_mla():
 def test_indexer_param_shapes_and_axes():
     _, cfg = _configs()
     ix = DSA(cfg, rngs=nnx.Rngs(0)).indexer
-    got = {
-        name: (tuple(getattr(ix, name).shape), getattr(ix, name).axes)
-        for name in ("wq_b", "wk", "weights_proj")
-    }
+    got = {name: (tuple(getattr(ix, name).shape), getattr(ix, name).axes) for name in ("wq_b", "wk", "weights_proj")}
     assert got == {
         "wq_b": ((Q, NI, HI), ("q_latent", "heads", "head_dim")),
         "wk": ((D, HI), ("embed", "head_dim")),

@@ -58,7 +58,17 @@ def _hf_layer(seed: int) -> KimiLinearDeltaAttention:
 
 
 def _tensors(layer) -> dict[str, np.ndarray]:
-    return {f"layers.0.self_attn.{k}": v.detach().numpy() for k, v in layer.state_dict().items()}
+    """The layer's tensors in the on-disk layout ``save_pretrained`` writes (split convs, no
+    ``forget_gate.`` prefix); transformers fuses and renames them only in memory."""
+    out = {}
+    for k, v in layer.state_dict().items():
+        v = v.detach().numpy()
+        if k == "conv1d.weight":
+            for stream, part in zip("qkv", np.split(v, 3, axis=0)):
+                out[f"layers.0.self_attn.{stream}_conv1d.weight"] = part
+            continue
+        out[f"layers.0.self_attn.{k.removeprefix('forget_gate.')}"] = v
+    return out
 
 
 @functools.cache
@@ -194,8 +204,8 @@ def test_prefill_in_pieces_and_decode_match_full_forward():
 
 def test_load_kda_names_missing_tensor():
     tensors = _tensors(_hf_layer(0))
-    del tensors["layers.0.self_attn.forget_gate.A_log"]
-    with pytest.raises(CheckpointError, match="forget_gate.A_log"):
+    del tensors["layers.0.self_attn.A_log"]
+    with pytest.raises(CheckpointError, match="self_attn.A_log"):
         load_kda(nnx.clone(_blank()), tensors, "layers.0.self_attn.")
 
 

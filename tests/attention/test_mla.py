@@ -25,9 +25,7 @@ from jaxmoe.config import MLAConfig, ModelConfig, RopeConfig
 ATOL = 1e-5
 B, T = 2, 9
 D, N, NOPE, ROPE, V, C, Q = 24, 3, 6, 4, 5, 11, 13
-YARN = dict(
-    factor=4.0, original_max_position=16, beta_fast=32.0, beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0
-)
+YARN = dict(factor=4.0, original_max_position=16, beta_fast=32.0, beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0)
 
 # name -> (HF family, q_lora_rank (0: none), rope type (None: NoPE))
 CASES = {
@@ -54,9 +52,7 @@ def _configs(family, q_lora, rope):
         rope_params |= {"original_max_position_embeddings": YARN["original_max_position"]}
         rope_params |= {k: YARN[k] for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
         ours = RopeConfig(type="yarn", **YARN)
-    hf = DeepseekV3Config(
-        q_lora_rank=q_lora or None, max_position_embeddings=64, rope_parameters=rope_params, **dims
-    )
+    hf = DeepseekV3Config(q_lora_rank=q_lora or None, max_position_embeddings=64, rope_parameters=rope_params, **dims)
     return hf, ModelConfig(d_model=D, mla=mla, rope=ours)
 
 
@@ -140,9 +136,7 @@ def test_absorbed_equals_expanded(case, seed):
     x, _, positions = _inputs(seed)
     q_rows = (3, 7)  # a query chunk in the middle: the cache is longer and partly in its future
     graphdef, state = nnx.split(model)
-    full, chunk, last = _expanded_and_absorbed(
-        graphdef, state, jnp.asarray(x), jnp.asarray(positions), q_rows
-    )
+    full, chunk, last = _expanded_and_absorbed(graphdef, state, jnp.asarray(x), jnp.asarray(positions), q_rows)
     full = np.asarray(full)
     assert np.abs(full).max() > 0.1
     np.testing.assert_allclose(np.asarray(chunk), full[:, 3:7], atol=ATOL, rtol=0)

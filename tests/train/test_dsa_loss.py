@@ -62,9 +62,7 @@ def _hf_reference(seed, *, sparse):
     causal = np.tril(np.ones((T, T), bool))
     with torch.no_grad(), _CaptureTopk() as capture:
         x_t = torch.tensor(x)
-        mask = torch.where(torch.tensor(causal), 0.0, torch.finfo(torch.float32).min)[None, None].expand(
-            B, 1, T, T
-        )
+        mask = torch.where(torch.tensor(causal), 0.0, torch.finfo(torch.float32).min)[None, None].expand(B, 1, T, T)
         pe = DeepseekV32RotaryEmbedding(hf_cfg)(x_t, torch.tensor(positions, dtype=torch.long))
         _, attn = module(x_t, position_embeddings=pe, attention_mask=mask)  # [B, N, T, S]
     # Keys each query attended to: the indexer's selection (all keys when dense), causal only.
@@ -77,9 +75,7 @@ def _hf_reference(seed, *, sparse):
     log_q = logits - logits.max(-1, keepdims=True)
     log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
     positive = selected & (target > 0)
-    kl = np.where(
-        positive, target * (np.log(np.where(positive, target, 1)) - np.where(positive, log_q, 0)), 0
-    )
+    kl = np.where(positive, target * (np.log(np.where(positive, target, 1)) - np.where(positive, log_q, 0)), 0)
     tensors = {k: v.numpy() for k, v in module.state_dict().items()}
     return tensors, x, positions, kl.sum(-1).mean()
 
@@ -109,9 +105,7 @@ def test_kl_is_zero_at_the_target_and_positive_elsewhere():
     target /= target.sum(-1, keepdims=True)
     junk = rng.standard_normal(mask.shape) * 10  # masked-out scores must not matter
     at_target = np.where(mask, np.log(np.where(mask, target, 1.0)) + 3.0, junk)  # softmax is shift-invariant
-    kl = kl_to_target(
-        jnp.asarray(target, jnp.float32), jnp.asarray(at_target, jnp.float32), jnp.asarray(mask)
-    )
+    kl = kl_to_target(jnp.asarray(target, jnp.float32), jnp.asarray(at_target, jnp.float32), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(kl), 0.0, atol=1e-6)
     kl = kl_to_target(jnp.asarray(target, jnp.float32), jnp.asarray(junk, jnp.float32), jnp.asarray(mask))
     assert np.all(np.asarray(kl) > 0)
