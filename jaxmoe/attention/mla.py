@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.attention.blockwise import blockwise_attention
 from jaxmoe.config import ModelConfig
 from jaxmoe.nn import RMSNorm, apply_rope, dense, param, rope_frequencies, yarn_mscale
 from jaxmoe.nn.linear import normal
@@ -162,9 +163,20 @@ class MLA(nnx.Module):
         return probs, out
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Causal self-attention over ``x[B, T, D]`` at absolute ``positions[B, T]`` -> ``[B, T, D]``."""
+        """Causal self-attention over ``x[B, T, D]`` at absolute ``positions[B, T]`` -> ``[B, T, D]``.
+
+        Expanded (per-head K/V) form, computed block by block with an online softmax
+        (:func:`blockwise_attention`); :meth:`attention_probs` is the dense form of the same.
+        """
         with jax.named_scope("mla"):
-            _, out = self._expanded(x, positions)
+            q_nope, q_rope = self.queries(x, positions)
+            c_kv, k_rope = self.latents(x, positions)
+            k_nope, v = self.expand_kv(c_kv)
+            B, S, N, _ = k_nope.shape
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + R]
+            k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (B, S, N, k_rope.shape[-1]))  # shared by heads
+            k = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, S, N, Hn + R]
+            out = blockwise_attention(q, k, v, positions, positions, softmax_scale(self.cfg))
             with jax.named_scope("out_proj"):
                 return dense("BTNH,NHD->BTD", out, self.o)
 
