@@ -13,7 +13,6 @@ import pathlib
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config, ConfigError, from_config_dict
 from jaxmoe.sharding import state_shardings
@@ -72,7 +71,3 @@ def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
         restored = ckptr.restore(path / PARAMS_DIR, target)
     nnx.replace_by_pure_dict(abstract_state, restored)
     return cfg, nnx.merge(graphdef, abstract_state)
-
-
-def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
