@@ -1,6 +1,7 @@
 """DeepSeek-style MoE FFN: router, routed experts (dispatch paths), shared experts, dense MLP."""
 
 from jaxmoe.moe.experts import grouped_experts
+from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.moe.layer import MLP, MoE
 from jaxmoe.moe.reference import reference_experts, reference_moe
 from jaxmoe.moe.router import RouterBias, route
@@ -10,6 +11,7 @@ __all__ = [
     "MoE",
     "RouterBias",
     "grouped_experts",
+    "grouped_matmul",
     "reference_experts",
     "reference_moe",
     "route",

@@ -6,8 +6,9 @@ A = N*K token-expert assignments.
 Every dispatch function has the signature of :data:`Dispatch`: given the tokens, the router's
 choice and the stacked expert weights, it returns the weighted sum of the chosen experts'
 outputs per token. ``"dense"`` (this file) is the single-program path: sort assignments by
-expert and run each expert's rows as one group of a grouped matmul (``jax.lax.ragged_dot``);
-it runs on one device and under GSPMD, where the compiler gathers what it needs. The
+expert and run each expert's rows as one group of a grouped matmul
+(:func:`jaxmoe.moe.grouped.grouped_matmul`: ``jax.lax.ragged_dot`` on TPU/GPU, a blocked loop on
+CPU); it runs on one device and under GSPMD, where the compiler gathers what it needs. The
 expert-parallel paths (``shard_map`` collectives) plug in beside it in :func:`get_dispatch`.
 """
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import MOE_DISPATCH
+from jaxmoe.moe.grouped import grouped_matmul
 
 # (x_flat [N, D], weights [N, K], indices [N, K], w_gate [E, D, F], w_up [E, D, F],
 #  w_down [E, F, D]) -> y_flat [N, D]
@@ -32,7 +34,7 @@ def _grouped_dense(x_sorted: jax.Array, w: jax.Array | nnx.Variable, group_sizes
     Like :func:`jaxmoe.nn.dense`, the weight is cast to the activation's dtype.
     """
     w = w[...] if isinstance(w, nnx.Variable) else w
-    return jax.lax.ragged_dot(x_sorted, w.astype(x_sorted.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST)
+    return grouped_matmul(x_sorted, w.astype(x_sorted.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST)
 
 
 def grouped_experts(

@@ -1,0 +1,183 @@
+"""Grouped matmul ``[M, I] x [E, I, O] -> [M, O]``: rows sorted by group, group ``e`` uses ``w[e]``.
+
+Shapes: M rows, I input dim, O output dim, E groups (experts), B rows per tile, T tile slots.
+
+Two implementations of the contract of ``jax.lax.ragged_dot``:
+
+- ``"ragged"``: ``jax.lax.ragged_dot`` itself, which TPU and GPU lower to grouped kernels.
+- ``"blocked"``: for XLA:CPU, where ``ragged_dot`` is ~30x slower than a batched matmul of the
+  same work. Each group's rows are cut into tiles of ``B`` rows (its last tile partial), which
+  is the padded layout "every group padded to a multiple of ``B``" without materialising it: a
+  tile is a contiguous ``B``-row window of ``x``, so no rows are gathered or scattered. A loop
+  over the ``sum(ceil(group_sizes / B)) <= M // B + E`` tiles in use multiplies each window by
+  its group's weight (a dynamic slice of ``w``: never a copy of ``w`` per tile) and writes back
+  only the rows the tile owns. Dropless, static shapes, and exact: every output row is the same
+  dot product as in ``ragged_dot``; rows no tile owns (beyond ``sum(group_sizes)``) stay zero.
+  Its reverse-mode rule is written out: ``dx`` is the same loop with ``w`` transposed, and
+  ``dw[e]`` accumulates ``x_tile^T dy_tile`` over group ``e``'s tiles in place (autodiff of the
+  loop would instead add a full ``[E, I, O]`` zero-padded update per tile).
+
+  Measured (``benchmarks/grouped_matmul.py``, M=16384, I=256, O=128, E=16), time over a dense
+  batched matmul of the same work: ~1.2x on 1 CPU core, ~2x on 2 (``ragged_dot``: ~25-35x).
+  Each tile's matmul is too small to spread over many cores, so on 16 cores it is ~8x (still
+  ~5x faster than ``ragged_dot`` there).
+
+``"auto"`` picks ``"ragged"`` on TPU and GPU and ``"blocked"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "ragged", "blocked")
+
+
+def default_block(m: int, num_groups: int) -> int:
+    """Rows per tile for ``"blocked"``: the largest power of two <= the mean group size, in [8, 256].
+
+    Larger tiles make fewer, bigger matmuls, but a group's partial last tile wastes up to
+    ``block - 1`` rows of work; on CPU the time is flat from 64 to 512 rows at 1024 rows per
+    group and rises steeply once tiles exceed the mean group size.
+    """
+    mean = max(m / max(num_groups, 1), 1.0)
+    return int(min(max(2 ** math.floor(math.log2(mean)), 8), 256))
+
+
+def grouped_matmul(
+    x_sorted: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    block: int | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+    """``out[i] = x_sorted[i] @ w[g(i)]`` where row ``i`` lies in group ``g(i)``.
+
+    Args:
+      x_sorted: ``[M, I]`` rows sorted by group: the first ``group_sizes[0]`` rows are group 0, ...
+      w: ``[E, I, O]`` one weight per group, same dtype as ``x_sorted``.
+      group_sizes: ``[E]`` int32 rows per group; ``sum(group_sizes) <= M``.
+      impl: ``"auto"``, ``"ragged"`` (``jax.lax.ragged_dot``) or ``"blocked"`` (see module doc).
+      block: rows per tile for ``"blocked"``; default :func:`default_block`.
+      precision: passed to the matmuls.
+
+    Returns:
+      ``[M, O]`` in ``x_sorted.dtype``; rows at and beyond ``sum(group_sizes)`` are zero.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1]:
+        raise ValueError(f"x_sorted [M, I] and w [E, I, O] do not match: {x_sorted.shape}, {w.shape}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape [E]=({w.shape[0]},), got {group_sizes.shape}")
+    if impl == "auto":
+        impl = "ragged" if jax.default_backend() in ("tpu", "gpu") else "blocked"
+    if impl == "ragged":
+        return jax.lax.ragged_dot(x_sorted, w, group_sizes, precision=precision)
+    block = default_block(x_sorted.shape[0], w.shape[0]) if block is None else int(block)
+    if block < 1:
+        raise ValueError(f"block must be a positive number of rows, got {block}")
+    if x_sorted.shape[0] == 0:
+        return jnp.zeros((0, w.shape[2]), jnp.result_type(x_sorted.dtype, w.dtype))
+    return _blocked(x_sorted, w, group_sizes.astype(jnp.int32), block, precision)
+
+
+# ------------------------------------------------------------------------------------------
+# "blocked"
+
+
+class _Tiles(NamedTuple):
+    """Group ``e``'s rows cut into ``ceil(group_sizes[e] / B)`` tiles of ``B`` rows; int32 ``[T]`` each."""
+
+    group: jax.Array  # the tile's group
+    start: jax.Array  # its first row
+    end: jax.Array  # one past its group's last row (the tile's last rows may lie beyond it)
+    count: jax.Array  # []: tiles in use; the rest of the T = M // B + E slots are unused
+
+
+def _tiles(group_sizes: jax.Array, m: int, b: int) -> _Tiles:
+    E = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)  # [E]
+    starts = ends - group_sizes  # [E]
+    tiles_per_group = -(-group_sizes // b)  # [E]
+    tile_ends = jnp.cumsum(tiles_per_group)  # [E]
+    t = jnp.arange(m // b + E, dtype=jnp.int32)  # [T]: a static bound on the tiles in use
+    # side="right" skips empty groups, which own no tiles.
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), E - 1).astype(jnp.int32)  # [T]
+    start = starts[group] + (t - (tile_ends - tiles_per_group)[group]) * b  # [T]
+    return _Tiles(group, start.astype(jnp.int32), ends[group].astype(jnp.int32), tile_ends[-1].astype(jnp.int32))
+
+
+def _tile_rows(tiles: _Tiles, i, m: int, b: int) -> tuple[jax.Array, jax.Array]:
+    """Tile ``i``'s ``B``-row window ``[lo, lo + B)`` inside ``[0, M)`` and which of its rows it owns.
+
+    The window is shifted back from the tile's start where it would run past row ``M``, so
+    every window is a static-size slice; only rows in ``[start, end)`` are the tile's.
+    """
+    lo = jnp.minimum(tiles.start[i], m - b)
+    rows = lo + jnp.arange(b, dtype=jnp.int32)  # [B]
+    return lo, (rows >= tiles.start[i]) & (rows < tiles.end[i])
+
+
+def _tiled_matmul(x: jax.Array, w: jax.Array, tiles: _Tiles, b: int, precision, transpose_w: bool) -> jax.Array:
+    """``y[rows of tile i] = x[rows of tile i] @ w[group_i]`` (``w[group_i]^T`` if ``transpose_w``)."""
+    m = x.shape[0]
+    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))  # contract x_tile with w_e's I (or O)
+
+    def body(i, y):
+        lo, own = _tile_rows(tiles, i, m, b)
+        x_tile = jax.lax.dynamic_slice_in_dim(x, lo, b, 0)  # [B, I]
+        w_e = jax.lax.dynamic_index_in_dim(w, tiles.group[i], 0, keepdims=False)  # [I, O] (or [O, I])
+        y_tile = jax.lax.dot_general(x_tile, w_e, dims, precision=precision).astype(y.dtype)  # [B, O]
+        # Rows of the window the tile does not own keep what other tiles wrote (or zero).
+        old = jax.lax.dynamic_slice_in_dim(y, lo, b, 0)  # [B, O]
+        return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(own[:, None], y_tile, old), lo, 0)
+
+    out_dim = w.shape[1] if transpose_w else w.shape[2]
+    y = jnp.zeros((m, out_dim), jnp.result_type(x.dtype, w.dtype))  # [M, O]: never-written rows stay 0
+    return jax.lax.fori_loop(0, tiles.count, body, y)
+
+
+def _tiled_outer(x: jax.Array, dy: jax.Array, num_groups: int, tiles: _Tiles, b: int, precision) -> jax.Array:
+    """``dw[e] = x[rows of e]^T @ dy[rows of e]``, accumulated tile by tile in place: ``[E, I, O]``."""
+    m = x.shape[0]
+
+    def body(i, dw):
+        lo, own = _tile_rows(tiles, i, m, b)
+        x_tile = jnp.where(own[:, None], jax.lax.dynamic_slice_in_dim(x, lo, b, 0), 0)  # [B, I]
+        dy_tile = jax.lax.dynamic_slice_in_dim(dy, lo, b, 0)  # [B, O]
+        d = jax.lax.dot_general(x_tile, dy_tile, (((0,), (0,)), ((), ())), precision=precision)  # [I, O]
+        e = tiles.group[i]
+        return jax.lax.dynamic_update_index_in_dim(dw, dw[e] + d.astype(dw.dtype), e, 0)
+
+    dw = jnp.zeros((num_groups, x.shape[1], dy.shape[1]), jnp.result_type(x.dtype, dy.dtype))  # [E, I, O]
+    return jax.lax.fori_loop(0, tiles.count, body, dw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _blocked(x, w, group_sizes, block, precision):
+    b = min(block, x.shape[0])
+    return _tiled_matmul(x, w, _tiles(group_sizes, x.shape[0], b), b, precision, transpose_w=False)
+
+
+def _blocked_fwd(x, w, group_sizes, block, precision):
+    b = min(block, x.shape[0])
+    tiles = _tiles(group_sizes, x.shape[0], b)
+    return _tiled_matmul(x, w, tiles, b, precision, transpose_w=False), (x, w, tiles)
+
+
+def _blocked_bwd(block, precision, res, dy):
+    x, w, tiles = res
+    b = min(block, x.shape[0])
+    dx = _tiled_matmul(dy, w, tiles, b, precision, transpose_w=True)  # [M, I]
+    dw = _tiled_outer(x, dy, w.shape[0], tiles, b, precision)  # [E, I, O]
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
