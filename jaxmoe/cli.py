@@ -1,4 +1,4 @@
-"""The ``jaxmoe`` command line: ``info``, ``convert hf``, ``logits``.
+"""The ``jaxmoe`` command line: ``info``, ``convert hf|quantize|dequantize``, ``logits``.
 
 Every subcommand has ``--help``. Bad arguments exit with status 2 and a message naming the
 argument; bad configs and checkpoints exit with status 1 and a message naming the field or tensor.
@@ -24,12 +24,23 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_convert_hf(args) -> int:
-    from jaxmoe.checkpoint.hf_import import import_hf  # noqa: PLC0415
-    from jaxmoe.checkpoint.io import save_model  # noqa: PLC0415
+    from jaxmoe.checkpoint.convert import convert_hf  # noqa: PLC0415 (keep --help fast)
 
-    cfg, model = import_hf(args.src)
-    out = save_model(model, cfg, args.dst)
-    print(json.dumps({"src": str(args.src), "dst": str(out), "layers": list(cfg.model.layer_kinds)}))
+    print(json.dumps(convert_hf(args.src, args.dst, quant=args.quant, progress=not args.no_progress)))
+    return 0
+
+
+def _cmd_convert_quantize(args) -> int:
+    from jaxmoe.checkpoint.convert import quantize_checkpoint  # noqa: PLC0415
+
+    print(json.dumps(quantize_checkpoint(args.src, args.dst, progress=not args.no_progress)))
+    return 0
+
+
+def _cmd_convert_dequantize(args) -> int:
+    from jaxmoe.checkpoint.convert import dequantize_checkpoint  # noqa: PLC0415
+
+    print(json.dumps(dequantize_checkpoint(args.src, args.dst, progress=not args.no_progress)))
     return 0
 
 
@@ -79,7 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     hf = csub.add_parser("hf", help="HF folder (deepseek_v3 / deepseek_v32 / kimi_linear) to a jaxmoe checkpoint")
     hf.add_argument("src", type=pathlib.Path, help="folder with config.json and *.safetensors")
     hf.add_argument("dst", type=pathlib.Path, help="new checkpoint directory")
+    hf.add_argument(
+        "--quant",
+        choices=("mxfp4",),
+        default=None,
+        help="store the routed experts in MXFP4 (HF *_blocks/*_scales MXFP4 tensors pass through unchanged)",
+    )
     hf.set_defaults(fn=_cmd_convert_hf)
+    quantize = csub.add_parser("quantize", help="float jaxmoe checkpoint to MXFP4 (routed experts)")
+    quantize.set_defaults(fn=_cmd_convert_quantize)
+    dequantize = csub.add_parser("dequantize", help="MXFP4 jaxmoe checkpoint to float (exact values)")
+    dequantize.set_defaults(fn=_cmd_convert_dequantize)
+    for sp in (quantize, dequantize):
+        sp.add_argument("src", type=pathlib.Path, help="jaxmoe checkpoint directory")
+        sp.add_argument("dst", type=pathlib.Path, help="new checkpoint directory")
+    for sp in (hf, quantize, dequantize):
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     logits = sub.add_parser("logits", help="float32 logits [B, T, V] of int token ids [B, T]")
     logits.add_argument("--checkpoint", required=True, type=pathlib.Path, help="jaxmoe checkpoint directory")

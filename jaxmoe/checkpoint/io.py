@@ -1,42 +1,173 @@
-"""Model checkpoints: ``DIR/config.json`` (the typed config) and ``DIR/params`` (Orbax).
+"""Model checkpoints: a directory holding the typed config, the parameters (Orbax) and checksums.
 
-Restore always targets the abstract model with shardings, so a checkpoint written on one mesh
-restores onto another (or onto one device).
+Layout of ``DIR``::
+
+    DIR/config.json      the typed config (dataclasses.asdict); model.mxfp4_weights names packed weights
+    DIR/checksums.json   {"format", "algorithm": "crc32", "arrays": {path: {crc32, shape, dtype}}}
+    DIR/params/          an Orbax pytree: nnx.to_pure_dict(nnx.state(model)); an MXFP4 weight is the
+                         subtree {"blocks": uint8, "scales": uint8} under the weight's name
+
+Writes are streamed and atomic: :class:`ArrayTreeWriter` adds arrays one at a time (Orbax partial
+saves, grouped up to ``group_bytes``) into ``.DIR.incomplete`` next to ``DIR``, which is renamed to
+``DIR`` only when everything, checksums included, is on disk. A killed writer therefore leaves no
+``DIR``, only the staging directory, which the next write to ``DIR`` removes.
+
+Reads are verified (:mod:`jaxmoe.checkpoint.integrity`): every array's CRC-32 is checked, and a
+damaged checkpoint raises :class:`CheckpointError` naming the array and the checkpoint. Restore
+targets the abstract model with shardings, so a checkpoint written on one mesh restores onto
+another (or onto one device). Checkpoints here are written by one process (multi-host training
+uses :class:`jaxmoe.checkpoint.manager.CheckpointManager`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
+import shutil
+from collections.abc import Iterable, Iterator
 
 import jax
-import orbax.checkpoint as ocp
+import numpy as np
 from flax import nnx
+from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
+from jaxmoe.checkpoint.hf_common import CheckpointError
+from jaxmoe.checkpoint.integrity import (
+    CHECKSUM_ALGORITHM,
+    array_record,
+    path_str,
+    pytree_dir,
+    restore_pytree,
+    stored_arrays,
+)
 from jaxmoe.config import Config, ConfigError, from_config_dict
 from jaxmoe.sharding import state_shardings
 
 CONFIG_FILE = "config.json"
+CHECKSUMS_FILE = "checksums.json"
 PARAMS_DIR = "params"
+FORMAT = "jaxmoe-checkpoint/1"
+GROUP_BYTES = 256 << 20  # small arrays are batched into one Orbax write up to this size
 
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _insert(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    if path[-1] in tree:
+        raise CheckpointError(f"array {path_str(path)!r} was written twice")
+    tree[path[-1]] = value
+
+
+class ArrayTreeWriter:
+    """Writes a pytree of arrays leaf by leaf into an Orbax pytree directory, recording checksums.
+
+    Host memory holds at most the arrays of one pending group (``group_bytes``) plus the array
+    being added, so a checkpoint larger than memory can be written from a stream of tensors.
+
+    Args:
+        directory: the new item directory (must not exist); Orbax stages in ``<directory>.partial_save``.
+        group_bytes: arrays are flushed to disk once the pending ones exceed this many bytes.
+    """
+
+    def __init__(self, directory: pathlib.Path, group_bytes: int = GROUP_BYTES):
+        self.directory = pathlib.Path(directory)
+        self.group_bytes = group_bytes
+        self.records: dict[str, dict] = {}
+        self._pending: dict = {}
+        self._pending_bytes = 0
+
+    def add(self, path: tuple, value) -> None:
+        """Queues ``value`` (numpy or single-process JAX array) under ``path`` (a tuple of keys)."""
+        value = np.ascontiguousarray(np.asarray(value))
+        name = path_str(path)
+        if name in self.records:
+            raise CheckpointError(f"array {name!r} was written twice")
+        self.records[name] = array_record(value)
+        _insert(self._pending, tuple(path), value)
+        self._pending_bytes += value.nbytes
+        if self._pending_bytes >= self.group_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            ocp_partial.save(self.directory, self._pending)
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> dict[str, dict]:
+        """Writes what is pending and finalises the Orbax checkpoint; returns the checksum records."""
+        self.flush()
+        if not self.records:
+            raise CheckpointError(f"no arrays were written to {str(self.directory)!r}")
+        ocp_partial.finalize(self.directory)
+        return self.records
+
+
+@contextlib.contextmanager
+def staged_checkpoint(dst: str | pathlib.Path) -> Iterator[pathlib.Path]:
+    """Yields a staging directory that becomes ``dst`` (atomically, by rename) if the block succeeds."""
+    dst = pathlib.Path(dst).absolute()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"checkpoint {str(dst)!r} already exists; choose a new destination")
+    staging = dst.parent / f".{dst.name}.incomplete"
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a writer that was killed
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if dst.exists():
+        dst.rmdir()  # empty (checked above)
+    os.replace(staging, dst)
+
+
+@contextlib.contextmanager
+def checkpoint_writer(
+    dst: str | pathlib.Path, cfg: Config, group_bytes: int = GROUP_BYTES
+) -> Iterator[ArrayTreeWriter]:
+    """Yields an :class:`ArrayTreeWriter` for the params of a new checkpoint ``dst``.
+
+    When the block ends without error the params are finalised, ``config.json`` and
+    ``checksums.json`` written, and the staging directory renamed to ``dst``.
+    """
+    with staged_checkpoint(dst) as staging:
+        writer = ArrayTreeWriter(staging / PARAMS_DIR, group_bytes)
+        yield writer
+        records = writer.close()
+        (staging / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+        checksums = {"format": FORMAT, "algorithm": CHECKSUM_ALGORITHM, "arrays": records}
+        (staging / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1) + "\n")
+
+
+def write_checkpoint(
+    dst: str | pathlib.Path, cfg: Config, arrays: Iterable[tuple[tuple, object]], group_bytes: int = GROUP_BYTES
+) -> pathlib.Path:
+    """Writes a model checkpoint from a stream of ``(path, array)`` pairs; returns its absolute path."""
+    dst = pathlib.Path(dst).absolute()
+    with checkpoint_writer(dst, cfg, group_bytes) as writer:
+        for path, value in arrays:
+            writer.add(path, value)
+    return dst
+
+
 def save_model(model: nnx.Module, cfg: Config, path: str | pathlib.Path) -> pathlib.Path:
-    """Writes ``path/config.json`` and ``path/params``; refuses to overwrite an existing checkpoint."""
-    path = pathlib.Path(path).absolute()
-    if (path / PARAMS_DIR).exists():
-        raise FileExistsError(f"checkpoint {str(path)!r} already exists; choose a new destination")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    """Writes ``path/{config.json, checksums.json, params}``; refuses to overwrite an existing checkpoint.
+
+    Arrays go to the host one at a time (sharded ones are gathered), so host memory grows by
+    about :data:`GROUP_BYTES` plus the largest array.
+    """
     state = nnx.to_pure_dict(nnx.state(model))
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / PARAMS_DIR, state)
-        ckptr.wait_until_finished()
-    return path
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    keys = (tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp) for kp, _ in leaves)
+    return write_checkpoint(path, cfg, ((k, leaf) for k, (_, leaf) in zip(keys, leaves)))
 
 
 def load_config_from_checkpoint(path: str | pathlib.Path) -> Config:
@@ -44,15 +175,77 @@ def load_config_from_checkpoint(path: str | pathlib.Path) -> Config:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise ConfigError(f"{str(path)!r} is not a jaxmoe checkpoint: it has no {CONFIG_FILE}")
-    return from_config_dict(json.loads(cfg_file.read_text()))
+    try:
+        values = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {CONFIG_FILE} is not valid JSON ({e})") from e
+    return from_config_dict(values)
+
+
+def load_checksums(path: pathlib.Path) -> dict[str, dict]:
+    """The per-array records of the model checkpoint at ``path``."""
+    file = path / CHECKSUMS_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no {CHECKSUMS_FILE}: it is incomplete or predates checksums"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} is damaged ({e})") from e
+    if data.get("format") != FORMAT or data.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} has format {data.get('format')!r} / algorithm "
+            f"{data.get('algorithm')!r}; this jaxmoe reads {FORMAT!r} / {CHECKSUM_ALGORITHM!r}"
+        )
+    return data["arrays"]
+
+
+def _params_dir(path: pathlib.Path) -> pathlib.Path:
+    if not (path / PARAMS_DIR).exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} has no {PARAMS_DIR}/ directory")
+    return pytree_dir(path / PARAMS_DIR)
+
+
+class CheckpointReader:
+    """Reads a model checkpoint one verified array at a time onto the host (for streaming conversion).
+
+    Attributes:
+        cfg: the checkpoint's typed config.
+        arrays: ``{path: (stored key path, shape, dtype)}`` in storage order.
+    """
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path).absolute()
+        self.cfg = load_config_from_checkpoint(self.path)
+        self.records = load_checksums(self.path)
+        self._dir = _params_dir(self.path)
+        self.arrays = stored_arrays(self._dir, self.path)
+
+    def read(self, name: str) -> np.ndarray:
+        """The array ``name`` (e.g. ``'layers/1/ffn/w_up/blocks'``) as numpy, checksum verified."""
+        keys, shape, dtype = self.arrays[name]
+        target = jax.ShapeDtypeStruct(shape, dtype)
+        for k in reversed(keys):
+            target = {k: target}
+        return jax.tree.leaves(
+            restore_pytree(self._dir, target, self.records, checkpoint=self.path, stored=self.arrays)
+        )[0]
 
 
 def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
-    """Restores ``(cfg, model)``; parameters are placed by the sharding rules on ``mesh`` (or one device)."""
+    """Restores ``(cfg, model)``; parameters are placed by the sharding rules on ``mesh`` (or one device).
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, holds other arrays than the config's model,
+            or an array is damaged (named with the checkpoint).
+    """
     from jaxmoe.model import abstract_model  # noqa: PLC0415 (model imports every module)
 
     path = pathlib.Path(path).absolute()
     cfg = load_config_from_checkpoint(path)
+    params_dir = _params_dir(path)
+    records = load_checksums(path)
     abstract = abstract_model(cfg.model)
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is None:
@@ -65,9 +258,13 @@ def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
         nnx.to_pure_dict(abstract_state),
         nnx.to_pure_dict(shardings),
     )
-    if not (path / PARAMS_DIR).exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} has no {PARAMS_DIR}/ directory")
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(path / PARAMS_DIR, target)
+    wanted = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+    stored = stored_arrays(params_dir, path)
+    extra = sorted(set(stored) - wanted)
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds {len(extra)} arrays its config's model does not have, e.g. {extra[:3]}"
+        )
+    restored = restore_pytree(params_dir, target, records, checkpoint=path, stored=stored)
     nnx.replace_by_pure_dict(abstract_state, restored)
     return cfg, nnx.merge(graphdef, abstract_state)

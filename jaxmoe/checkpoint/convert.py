@@ -1,0 +1,385 @@
+"""Streaming checkpoint conversion: HF folder -> jaxmoe (float or MXFP4), float <-> MXFP4.
+
+Shape letters: E experts, D model dim, F expert ffw dim, G = contracting dim / 32.
+
+Every conversion goes tensor by tensor: one output array is built, quantized or dequantized in
+row chunks of at most :data:`CHUNK_ELEMENTS` (so the quantizer's temporaries stay small), written
+(:class:`jaxmoe.checkpoint.io.ArrayTreeWriter`) and dropped before the next. Peak host memory is
+about twice the largest float tensor (the HF importer stacks routed experts ``[E, in, out]`` from
+per-expert tensors, then hands the stack over as a JAX array) plus a fixed ~1 GB (JAX, the
+pending write group, chunk temporaries). ``benchmarks/convert_memory.py`` measures it.
+
+MXFP4 weights are the routed experts (:data:`jaxmoe.quant.ROUTED_EXPERTS`), packed along their
+contracting axis exactly as :func:`jaxmoe.quant.quantize_state` packs them (see
+:mod:`jaxmoe.quant.qarray` for the layout). HF tensors that are already MXFP4, stored
+gpt-oss-style as ``<name>_blocks`` uint8 ``[out, in/32, 16]`` and ``<name>_scales`` uint8
+``[out, in/32]`` next to where ``<name>`` (e.g. ``...experts.3.gate_proj.weight``; the form
+without ``.weight`` is accepted too) would be, are stacked and passed through unchanged when the
+output is MXFP4, and dequantized (exactly) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import types
+from collections.abc import Iterator, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm import tqdm
+
+from jaxmoe.checkpoint.hf_common import CheckpointError
+from jaxmoe.checkpoint.io import CheckpointReader, checkpoint_writer, config_to_dict
+from jaxmoe.config import Config, from_config_dict
+
+CHUNK_ELEMENTS = 1 << 23  # 32 MB of float32 per quantizer call
+QUANT_FORMATS = ("mxfp4",)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked MXFP4 on host arrays
+
+
+def _row_chunks(moved_shape: tuple[int, ...]) -> Iterator[tuple]:
+    """Index tuples into ``[*lead, R, N]`` covering it in ``[rows, N]`` pieces of <= CHUNK_ELEMENTS."""
+    if len(moved_shape) == 1:
+        yield ()
+        return
+    *lead, rows, n = moved_shape
+    step = max(1, CHUNK_ELEMENTS // max(n, 1))
+    for idx in np.ndindex(*lead):
+        for r0 in range(0, rows, step):
+            yield (*idx, slice(r0, min(r0 + step, rows)))
+
+
+def quantize_array(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4-packs ``w`` along ``axis`` in chunks; equals :func:`jaxmoe.quant.quantize_weight` bit for bit.
+
+    Args:
+        w: float array of logical shape ``S`` (e.g. ``w_gate [E, D, F]``), ``S[axis]`` a multiple of 32.
+        axis: the contracting axis.
+
+    Returns:
+        ``(blocks, scales)`` uint8 ``[*S without S[axis], S[axis]/32, 16]`` and ``[..., S[axis]/32]``.
+    """
+    from jaxmoe.quant import mxfp4  # noqa: PLC0415
+
+    moved = np.moveaxis(np.asarray(w), axis, -1)  # a view: [*rest, N]
+    b_shape, s_shape = mxfp4.packed_shapes(moved.shape)
+    blocks, scales = np.empty(b_shape, np.uint8), np.empty(s_shape, np.uint8)
+    for idx in _row_chunks(moved.shape):
+        b, s = mxfp4.quantize(np.ascontiguousarray(moved[idx]))
+        blocks[idx], scales[idx] = np.asarray(b), np.asarray(s)
+    return blocks, scales
+
+
+def dequantize_array(blocks: np.ndarray, scales: np.ndarray, axis: int, dtype) -> np.ndarray:
+    """Exact float values of packed ``(blocks, scales)``, with the contracting dim moved back to ``axis``."""
+    from jaxmoe.quant import mxfp4  # noqa: PLC0415
+
+    moved_shape = (*scales.shape[:-1], scales.shape[-1] * mxfp4.BLOCK)
+    out = np.empty(np.moveaxis(np.empty(moved_shape, np.bool_), -1, axis).shape, np.dtype(dtype))
+    out_moved = np.moveaxis(out, axis, -1)  # a view of ``out``
+    for idx in _row_chunks(moved_shape):
+        out_moved[idx] = np.asarray(mxfp4.dequantize(blocks[idx], scales[idx], np.dtype(dtype)))
+    return out
+
+
+def _with_mxfp4(cfg: Config, names: tuple[str, ...]) -> Config:
+    """``cfg`` with ``model.mxfp4_weights = names``, validated (a dim not divisible by 32 names its field)."""
+    values = config_to_dict(cfg)
+    values["model"]["mxfp4_weights"] = list(names)
+    return from_config_dict(values)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Orbax float <-> Orbax MXFP4
+
+
+def quantize_checkpoint(src, dst, names: tuple[str, ...] | None = None, *, progress: bool = True) -> dict:
+    """Float jaxmoe checkpoint -> MXFP4 one (``names``: weights to pack; default the routed experts)."""
+    from jaxmoe.quant import MXFP4_CONTRACTING_AXIS, ROUTED_EXPERTS  # noqa: PLC0415
+
+    reader = CheckpointReader(src)
+    if reader.cfg.model.mxfp4_weights:
+        raise CheckpointError(
+            f"checkpoint {str(reader.path)!r} is already MXFP4 (model.mxfp4_weights={reader.cfg.model.mxfp4_weights})"
+        )
+    names = tuple(names or ROUTED_EXPERTS)
+    cfg = _with_mxfp4(reader.cfg, names)
+    with checkpoint_writer(dst, cfg) as writer, _progress(len(reader.arrays), "quantize", progress) as bar:
+        for name, (keys, _, _) in reader.arrays.items():
+            value = reader.read(name)
+            if keys[-1] in names:
+                blocks, scales = quantize_array(value, MXFP4_CONTRACTING_AXIS[keys[-1]])
+                writer.add((*keys, "blocks"), blocks)
+                writer.add((*keys, "scales"), scales)
+            else:
+                writer.add(keys, value)
+            del value
+            bar.update()
+    return {"src": str(reader.path), "dst": str(pathlib.Path(dst).absolute()), "mxfp4_weights": list(names)}
+
+
+def dequantize_checkpoint(src, dst, *, progress: bool = True) -> dict:
+    """MXFP4 jaxmoe checkpoint -> float one (``model.param_dtype``), exact values."""
+    from jaxmoe.quant import MXFP4_CONTRACTING_AXIS  # noqa: PLC0415
+
+    reader = CheckpointReader(src)
+    names = reader.cfg.model.mxfp4_weights
+    if not names:
+        raise CheckpointError(f"checkpoint {str(reader.path)!r} has no MXFP4 weights (model.mxfp4_weights is empty)")
+    cfg = _with_mxfp4(reader.cfg, ())
+    dtype = np.dtype(jax.numpy.dtype(cfg.model.param_dtype))
+    with checkpoint_writer(dst, cfg) as writer, _progress(len(reader.arrays), "dequantize", progress) as bar:
+        for name, (keys, _, _) in reader.arrays.items():
+            if keys[-1] == "scales" and len(keys) > 1 and keys[-2] in names:
+                bar.update()
+                continue  # read with its blocks
+            if keys[-1] == "blocks" and len(keys) > 1 and keys[-2] in names:
+                scales_name = name[: -len("blocks")] + "scales"
+                blocks, scales = reader.read(name), reader.read(scales_name)
+                writer.add(keys[:-1], dequantize_array(blocks, scales, MXFP4_CONTRACTING_AXIS[keys[-2]], dtype))
+            else:
+                writer.add(keys, reader.read(name))
+            bar.update()
+    return {"src": str(reader.path), "dst": str(pathlib.Path(dst).absolute()), "mxfp4_weights": []}
+
+
+# --------------------------------------------------------------------------------------------
+# HF folder -> jaxmoe
+
+
+class _HFTensors(Mapping):
+    """HF safetensors tensors by name, read on demand; MXFP4 pairs appear under their float name.
+
+    ``tensors[key]`` is float32. For a key stored as MXFP4 it is the exact dequantized value, or,
+    when ``passthrough(key)`` holds, a zero-memory placeholder of the float shape: the caller then
+    reads the packed bytes with :meth:`packed` instead. ``used`` collects the stored names read.
+    """
+
+    def __init__(self, folder: pathlib.Path, passthrough):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            where = json.loads(index.read_text())["weight_map"]
+        else:
+            single = folder / "model.safetensors"
+            if not single.is_file():
+                raise CheckpointError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
+            with safe_open(single, "numpy") as f:
+                where = {k: single.name for k in f.keys()}
+        self._files = {name: folder / name for name in set(where.values())}
+        for path in self._files.values():
+            if not path.is_file():
+                raise CheckpointError(f"shard {str(path)!r} listed in the index is missing")
+        self._where = where
+        self._passthrough = passthrough
+        self.used: set[str] = set()
+        self.packed_names: dict[str, tuple[str, str]] = {}
+        for key in where:
+            if key.endswith("_blocks"):
+                base = key[: -len("_blocks")]
+                if base + "_scales" not in where:
+                    raise CheckpointError(f"tensor {key!r} has no matching {base + '_scales'!r}")
+                name = base if base.endswith(".weight") else base + ".weight"
+                if name in where:
+                    raise CheckpointError(f"tensor {name!r} is stored both as float and as MXFP4 ({key!r})")
+                self.packed_names[name] = (key, base + "_scales")
+
+    def _file(self, key: str):
+        return safe_open(self._files[self._where[key]], "flax")
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        with self._file(key) as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def packed(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The stored ``(blocks, scales)`` uint8 of the MXFP4 tensor ``name``."""
+        out = []
+        for key in self.packed_names[name]:
+            self.used.add(key)
+            with safe_open(self._files[self._where[key]], "numpy") as f:
+                out.append(f.get_tensor(key))
+        blocks, scales = out
+        if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+            raise CheckpointError(
+                f"MXFP4 tensors {self.packed_names[name]} must be uint8 [..., G, 16] and [..., G], got "
+                f"{blocks.dtype} {blocks.shape} and {scales.dtype} {scales.shape}"
+            )
+        return blocks, scales
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key in self._where:
+            self.used.add(key)
+            with self._file(key) as f:  # the flax reader handles bfloat16 (numpy's does not)
+                return np.asarray(f.get_tensor(key), np.float32)
+        if key not in self.packed_names:
+            raise KeyError(key)
+        if self._passthrough(key):
+            blocks_shape = self._shape(self.packed_names[key][0])
+            return np.broadcast_to(np.float32(0), (*blocks_shape[:-2], blocks_shape[-2] * 32))
+
+        blocks, scales = self.packed(key)
+        return dequantize_array(blocks, scales, blocks.ndim - 2, np.float32)
+
+    def __contains__(self, key) -> bool:
+        return key in self._where or key in self.packed_names
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self._where if not k.endswith(("_blocks", "_scales")))
+        yield from self.packed_names
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _Sink:
+    """Stands for an ``nnx.Variable`` in the importer: takes the value and streams it out."""
+
+    def __init__(self, path: tuple, abstract, emit):
+        self.path, self._abstract, self._emit, self.filled = path, abstract, emit, False
+
+    def get_value(self):
+        return self._abstract
+
+    def set_value(self, value) -> None:
+        if self.filled:
+            raise CheckpointError(f"model parameter {'/'.join(map(str, self.path))!r} was loaded twice")
+        self.filled = True
+        self._emit(self.path, value)
+
+
+def _mirror(node, paths: dict, emit, sinks: list):
+    """The abstract model's module tree with every variable replaced by a :class:`_Sink`."""
+    if isinstance(node, nnx.Variable):
+        sink = _Sink(paths[id(node)], node.get_value(), emit)
+        sinks.append(sink)
+        return sink
+    if isinstance(node, nnx.List):
+        return [_mirror(x, paths, emit, sinks) for x in node]
+    if isinstance(node, nnx.Module):
+        ns = types.SimpleNamespace()
+        for k, v in vars(node).items():
+            if not k.startswith("_pytree"):
+                setattr(ns, k, _mirror(v, paths, emit, sinks))
+        return ns
+    return node
+
+
+def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> dict:
+    """HF folder (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``) -> jaxmoe checkpoint, tensor by tensor.
+
+    Args:
+        src: folder with ``config.json`` and ``model.safetensors`` (or an index and shards).
+        dst: the new checkpoint directory.
+        quant: None (float, ``model.param_dtype``) or ``"mxfp4"`` (routed experts packed).
+
+    Returns:
+        A summary dict (src, dst, layers, mxfp4_weights, passed_through: MXFP4 tensors kept as stored).
+    """
+    from jaxmoe.checkpoint.hf_import import FFN_LAYOUT, _mtp_free, config_from_hf, load_weights  # noqa: PLC0415
+    from jaxmoe.model import abstract_model  # noqa: PLC0415
+    from jaxmoe.quant import MXFP4_CONTRACTING_AXIS, ROUTED_EXPERTS  # noqa: PLC0415
+
+    if quant not in (None, *QUANT_FORMATS):
+        raise CheckpointError(f"--quant {quant!r} is not supported; allowed: {QUANT_FORMATS}")
+    src = pathlib.Path(src)
+    cfg_file = src / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{str(src)!r} is not an HF checkpoint folder: it has no config.json")
+    hf = json.loads(cfg_file.read_text())
+    float_cfg = config_from_hf(hf)
+    names = tuple(ROUTED_EXPERTS) if quant else ()
+    cfg = _with_mxfp4(float_cfg, names) if quant else float_cfg
+    ffn_prefix, expert_names = FFN_LAYOUT[hf["model_type"]]
+    hf_name = dict(zip(("w_gate", "w_up", "w_down"), expert_names))
+    expert_key = re.compile(
+        rf"model\.layers\.\d+\.{re.escape(ffn_prefix)}experts\.\d+\.({'|'.join(expert_names)})\.weight"
+    )
+    tensors = _HFTensors(src, passthrough=lambda key: bool(quant) and expert_key.fullmatch(key) is not None)
+
+    abstract = abstract_model(float_cfg.model)
+    paths = {id(v): tuple(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Variable)}
+    expected = {
+        "/".join(map(str, p)) for p, v in nnx.iter_graph(abstract_model(cfg.model)) if isinstance(v, nnx.Variable)
+    }
+    passed = []
+    with checkpoint_writer(dst, cfg) as writer, _progress(len(paths), "convert", progress) as bar:
+
+        def emit(path: tuple, value) -> None:
+            if path[-1] not in names:
+                writer.add(path, value)
+            else:
+                layer = path[path.index("layers") + 1]
+                keys = [
+                    f"model.layers.{layer}.{ffn_prefix}experts.{e}.{hf_name[path[-1]]}.weight"
+                    for e in range(cfg.model.moe.num_experts)
+                ]
+                packed = [k in tensors.packed_names for k in keys]
+                if all(packed):
+                    parts = [tensors.packed(k) for k in keys]
+                    blocks, scales = np.stack([b for b, _ in parts]), np.stack([s for _, s in parts])
+                    want = quantize_shapes(value.shape, MXFP4_CONTRACTING_AXIS[path[-1]])
+                    if (blocks.shape, scales.shape) != want:
+                        raise CheckpointError(
+                            f"MXFP4 tensors {keys[0]}_blocks/_scales... stack to {blocks.shape} and {scales.shape}, "
+                            f"the model expects {want[0]} and {want[1]}"
+                        )
+                    passed.extend(keys)
+                elif any(packed):
+                    raise CheckpointError(
+                        f"routed experts {keys[0]!r}...: some are stored as MXFP4 and some as float; all or none"
+                    )
+                else:
+                    blocks, scales = quantize_array(value, MXFP4_CONTRACTING_AXIS[path[-1]])
+                del value
+                writer.add((*path, "blocks"), blocks)
+                writer.add((*path, "scales"), scales)
+            bar.update()
+
+        sinks: list[_Sink] = []
+        load_weights(_mirror(abstract, paths, emit, sinks), tensors, hf["model_type"])
+        missing = [s.path for s in sinks if not s.filled]
+        if missing:
+            raise CheckpointError(f"the HF importer did not provide model parameters {missing[:3]}")
+        unused = _mtp_free(set(tensors._where) - tensors.used, cfg.model.num_layers)
+        if unused:
+            raise CheckpointError(
+                f"checkpoint {str(src)!r} holds {len(unused)} tensors the model does not use, e.g. {sorted(unused)[:3]}"
+            )
+        if set(writer.records) != expected:
+            raise CheckpointError(
+                f"converted arrays differ from the model's: {sorted(set(writer.records) ^ expected)[:3]}"
+            )
+    return {
+        "src": str(src),
+        "dst": str(pathlib.Path(dst).absolute()),
+        "layers": list(cfg.model.layer_kinds),
+        "mxfp4_weights": list(names),
+        "passed_through": len(passed),
+    }
+
+
+def quantize_shapes(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(blocks, scales)`` shapes of a weight of logical ``shape`` packed along ``axis``."""
+    from jaxmoe.quant import mxfp4  # noqa: PLC0415
+
+    shape = tuple(shape)
+    return mxfp4.packed_shapes(shape[:axis] + shape[axis + 1 :] + (shape[axis],))
+
+
+__all__ = [
+    "convert_hf",
+    "dequantize_array",
+    "dequantize_checkpoint",
+    "quantize_array",
+    "quantize_checkpoint",
+]
