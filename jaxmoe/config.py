@@ -19,6 +19,9 @@ MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 ROPE_TYPES = ("default", "yarn")
 MOE_DISPATCH = ("dense",)  # expert-parallel paths (dropless, capacity, ragged) come with issue 3
 DTYPES = ("float32", "bfloat16")
+# Weights that model.mxfp4_weights may name -> the logical name of the dim they contract over
+# (MXFP4 blocks of 32 run along it). The routed experts, as gpt-oss quantizes them.
+MXFP4_WEIGHTS = {"w_gate": "embed", "w_up": "embed", "w_down": "expert_ffw"}
 
 
 class ConfigError(ValueError):
@@ -104,6 +107,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    # Weights stored packed in MXFP4 (jaxmoe.quant), e.g. ("w_gate", "w_up", "w_down"): the routed experts.
+    mxfp4_weights: tuple[str, ...] = ()
     init_std: float = 0.02
     rope: RopeConfig = RopeConfig()
     mla: MLAConfig = MLAConfig()
@@ -167,7 +172,7 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
                 raise ConfigError(f"config field {prefix}{name} must be a mapping of fields, got {value!r}")
             kwargs[name] = _build(type(default), value, f"{prefix}{name}.")
             continue
-        if name == "layer_kinds":
+        if name in ("layer_kinds", "mxfp4_weights"):
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
             value = tuple(value)
@@ -334,6 +339,7 @@ def validate(cfg: Config) -> None:
         "model.moe.experts_per_token",
         f"top-k {e.experts_per_token} exceeds the experts in the {e.topk_groups} selected groups",
     )
+    _validate_mxfp4(cfg)
     _validate_divisibility(cfg)
 
 
@@ -361,6 +367,34 @@ def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     if "kda" in kinds:
         dims["heads"].append(("model.kda.num_heads", m.kda.num_heads))
     return dims
+
+
+def _validate_mxfp4(cfg: Config) -> None:
+    from jaxmoe.sharding import RULES  # noqa: PLC0415 (sharding imports config)
+
+    m = cfg.model
+    for i, name in enumerate(m.mxfp4_weights):
+        _require(
+            name in MXFP4_WEIGHTS,
+            f"model.mxfp4_weights[{i}]",
+            f"unknown weight {name!r}; allowed: {tuple(MXFP4_WEIGHTS)}",
+        )
+    _require(
+        len(set(m.mxfp4_weights)) == len(m.mxfp4_weights), "model.mxfp4_weights", f"repeats a name: {m.mxfp4_weights}"
+    )
+    # Blocks of 32 run along the contracting dim, and the mesh axes that shard it shard the blocks.
+    for name in m.mxfp4_weights:
+        logical = MXFP4_WEIGHTS[name]
+        axes = dict(RULES).get(logical)
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        size = 32 * math.prod(getattr(cfg.mesh, a) for a in axes)
+        for field, value in sharded_dims(m)[logical][:1]:
+            _require(
+                value % size == 0,
+                field,
+                f"{value} is not divisible by {size} = 32 (MXFP4 block, {name} in model.mxfp4_weights) x "
+                f"{'x'.join(f'mesh.{a}' for a in axes) or '1'}",
+            )
 
 
 def _validate_divisibility(cfg: Config) -> None:

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxmoe.config import MOE_DISPATCH
 from jaxmoe.moe.grouped import grouped_matmul
+from jaxmoe.quant.qarray import QArray
 
 # (x_flat [N, D], weights [N, K], indices [N, K], w_gate [E, D, F], w_up [E, D, F],
 #  w_down [E, F, D]) -> y_flat [N, D]
@@ -34,7 +35,8 @@ def _grouped_dense(x_sorted: jax.Array, w: jax.Array | nnx.Variable, group_sizes
     Like :func:`jaxmoe.nn.dense`, the weight is cast to the activation's dtype.
     """
     w = w[...] if isinstance(w, nnx.Variable) else w
-    return grouped_matmul(x_sorted, w.astype(x_sorted.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST)
+    w = w if isinstance(w, QArray) else w.astype(x_sorted.dtype)  # MXFP4: dequantized per expert inside
+    return grouped_matmul(x_sorted, w, group_sizes, precision=jax.lax.Precision.HIGHEST)
 
 
 def grouped_experts(

@@ -23,6 +23,13 @@ Two implementations of the contract of ``jax.lax.ragged_dot``:
   ~5x faster than ``ragged_dot`` there).
 
 ``"auto"`` picks ``"ragged"`` on TPU and GPU and ``"blocked"`` elsewhere.
+
+MXFP4 weights (``w`` a :class:`jaxmoe.quant.QArray` of logical shape ``[E, I, O]``, packed
+``[E, O, I/32, 16]``) always take the tile loop, on every backend: a tile dequantizes only its
+own group's ``[O, I]`` weight, and consecutive tiles of one group reuse it (tiles are sorted by
+group), so each expert in use is dequantized once per matmul and never more than one expert is
+held in full precision. (``ragged_dot`` would need all ``E`` experts dequantized at once.) The
+reverse-mode rule gives ``dx`` by the same loop; the packed weight is frozen (no ``dw``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxmoe.quant import mxfp4
+from jaxmoe.quant.qarray import QArray
 
 IMPLS = ("auto", "ragged", "blocked")
 
@@ -50,7 +60,7 @@ def default_block(m: int, num_groups: int) -> int:
 
 def grouped_matmul(
     x_sorted: jax.Array,
-    w: jax.Array,
+    w: jax.Array | QArray,
     group_sizes: jax.Array,
     *,
     impl: str = "auto",
@@ -61,7 +71,8 @@ def grouped_matmul(
 
     Args:
       x_sorted: ``[M, I]`` rows sorted by group: the first ``group_sizes[0]`` rows are group 0, ...
-      w: ``[E, I, O]`` one weight per group, same dtype as ``x_sorted``.
+      w: ``[E, I, O]`` one weight per group, same dtype as ``x_sorted``; or a QArray of that
+        logical shape contracting over ``I`` (dequantized to ``x_sorted.dtype`` one group at a time).
       group_sizes: ``[E]`` int32 rows per group; ``sum(group_sizes) <= M``.
       impl: ``"auto"``, ``"ragged"`` (``jax.lax.ragged_dot``) or ``"blocked"`` (see module doc).
       block: rows per tile for ``"blocked"``; default :func:`default_block`.
@@ -72,6 +83,8 @@ def grouped_matmul(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if isinstance(w, QArray):
+        return _grouped_quantized(x_sorted, w, group_sizes, block, precision)
     if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1]:
         raise ValueError(f"x_sorted [M, I] and w [E, I, O] do not match: {x_sorted.shape}, {w.shape}")
     if group_sizes.shape != (w.shape[0],):
@@ -181,3 +194,77 @@ def _blocked_bwd(block, precision, res, dy):
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+# ------------------------------------------------------------------------------------------
+# MXFP4 weights: the tile loop, dequantizing one group's weight at a time
+
+
+def _grouped_quantized(x_sorted: jax.Array, w: QArray, group_sizes: jax.Array, block, precision) -> jax.Array:
+    if x_sorted.ndim != 2 or len(w.shape) != 3 or w.axis != 1 or x_sorted.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"x_sorted [M, I] and MXFP4 w [E, I, O] contracting over I (axis 1) do not match: "
+            f"{x_sorted.shape}, {w.shape} axis {w.axis}"
+        )
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape [E]=({w.shape[0]},), got {group_sizes.shape}")
+    block = default_block(x_sorted.shape[0], w.shape[0]) if block is None else int(block)
+    if block < 1:
+        raise ValueError(f"block must be a positive number of rows, got {block}")
+    if x_sorted.shape[0] == 0:
+        return jnp.zeros((0, w.shape[2]), x_sorted.dtype)
+    blocks, scales = w.arrays()  # [E, O, I/32, 16], [E, O, I/32]
+    return _blocked_q(x_sorted, blocks, scales, group_sizes.astype(jnp.int32), block, precision)
+
+
+def _tiled_matmul_q(x, blocks, scales, tiles: _Tiles, b: int, precision, transpose_w: bool) -> jax.Array:
+    """``y[rows of tile i] = x[rows of tile i] @ W[group_i]`` (``W^T`` if ``transpose_w``), ``W`` dequantized.
+
+    ``W[e]`` (``[I, O]``) is held as its packed transpose ``[O, I]``; the carry keeps the current
+    group's dequantized weight, rebuilt only when the tile's group changes.
+    """
+    m = x.shape[0]
+    O, I = blocks.shape[1], blocks.shape[2] * mxfp4.BLOCK
+    dims = (((1,), (0 if transpose_w else 1,)), ((), ()))  # contract x_tile with w_t's I (or O)
+
+    def weight(g):  # [O, I]
+        b_g = jax.lax.dynamic_index_in_dim(blocks, g, 0, keepdims=False)
+        s_g = jax.lax.dynamic_index_in_dim(scales, g, 0, keepdims=False)
+        return mxfp4.dequantize(b_g, s_g, dtype=x.dtype)
+
+    def body(i, carry):
+        y, g_cur, w_t = carry
+        g = tiles.group[i]
+        w_t = jax.lax.cond(g == g_cur, lambda: w_t, lambda: weight(g))
+        lo, own = _tile_rows(tiles, i, m, b)
+        x_tile = jax.lax.dynamic_slice_in_dim(x, lo, b, 0)  # [B, I] (or [B, O])
+        y_tile = jax.lax.dot_general(x_tile, w_t, dims, precision=precision).astype(y.dtype)  # [B, O] (or [B, I])
+        old = jax.lax.dynamic_slice_in_dim(y, lo, b, 0)
+        return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(own[:, None], y_tile, old), lo, 0), g, w_t
+
+    y = jnp.zeros((m, I if transpose_w else O), x.dtype)  # never-written rows stay 0
+    init = (y, jnp.int32(-1), jnp.zeros((O, I), x.dtype))
+    return jax.lax.fori_loop(0, tiles.count, body, init)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blocked_q(x, blocks, scales, group_sizes, block, precision):
+    b = min(block, x.shape[0])
+    return _tiled_matmul_q(x, blocks, scales, _tiles(group_sizes, x.shape[0], b), b, precision, transpose_w=False)
+
+
+def _blocked_q_fwd(x, blocks, scales, group_sizes, block, precision):
+    b = min(block, x.shape[0])
+    tiles = _tiles(group_sizes, x.shape[0], b)
+    y = _tiled_matmul_q(x, blocks, scales, tiles, b, precision, transpose_w=False)
+    return y, (blocks, scales, tiles)
+
+
+def _blocked_q_bwd(block, precision, res, dy):
+    blocks, scales, tiles = res
+    b = min(block, dy.shape[0])
+    dx = _tiled_matmul_q(dy, blocks, scales, tiles, b, precision, transpose_w=True)  # [M, I]
+    return dx, None, None, None
+
+
+_blocked_q.defvjp(_blocked_q_fwd, _blocked_q_bwd)

@@ -53,9 +53,11 @@ class MoE(nnx.Module):
         # Routing runs in fp32 whatever the parameter dtype, as in DeepSeek-V3.
         self.router = param(rngs, (D, E), ("embed", None), init, jnp.float32)  # [D, E]
         self.router_bias = param(rngs, (E,), (None,), zeros, jnp.float32, kind=RouterBias)  # [E]
-        self.w_gate = param(rngs, (E, D, F), ("experts", "embed", "expert_ffw"), init, pdt)
-        self.w_up = param(rngs, (E, D, F), ("experts", "embed", "expert_ffw"), init, pdt)
-        self.w_down = param(rngs, (E, F, D), ("experts", "expert_ffw", "embed"), init, pdt)
+        # Weights named in cfg.mxfp4_weights are stored packed (jaxmoe.quant.QArray), blocks along axis 1.
+        q = lambda name: 1 if name in cfg.mxfp4_weights else None
+        self.w_gate = param(rngs, (E, D, F), ("experts", "embed", "expert_ffw"), init, pdt, mxfp4_axis=q("w_gate"))
+        self.w_up = param(rngs, (E, D, F), ("experts", "embed", "expert_ffw"), init, pdt, mxfp4_axis=q("w_up"))
+        self.w_down = param(rngs, (E, F, D), ("experts", "expert_ffw", "embed"), init, pdt, mxfp4_axis=q("w_down"))
         self.shared = MLP(D, F * m.num_shared_experts, cfg, rngs=rngs) if m.num_shared_experts else None
 
     def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

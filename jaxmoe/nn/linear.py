@@ -2,7 +2,8 @@
 
 Weights are stored input-dims first (``[D, N, H]`` for a projection to heads), the JAX
 convention; the HF importer transposes torch's ``[out, in]``. Every weight matmul goes through
-:func:`dense` so a later quantized weight type can stand wherever a float weight stands.
+:func:`dense`, so a packed MXFP4 weight (:class:`jaxmoe.quant.QArray`, made by :func:`param`
+with ``mxfp4_axis``) stands wherever a float weight stands.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxmoe.quant.qarray import QArray, mxfp4_param
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
@@ -57,18 +60,31 @@ def param(
     init: Init,
     dtype=jnp.float32,
     kind: type[nnx.Variable] = nnx.Param,
-) -> nnx.Variable:
-    """A variable of ``shape`` whose dimensions carry the logical names ``axes``."""
+    mxfp4_axis: int | None = None,
+) -> nnx.Variable | QArray:
+    """A variable of ``shape`` whose dimensions carry the logical names ``axes``.
+
+    With ``mxfp4_axis`` (the dimension the weight contracts over) the weight is initialised in
+    float32 and stored packed as a :class:`jaxmoe.quant.QArray` (``dtype`` is then unused).
+    """
     shape = tuple(int(s) for s in shape)
     if len(shape) != len(axes):
         raise ValueError(f"shape {shape} and logical axes {tuple(axes)} differ in rank")
+    if mxfp4_axis is not None:
+        return mxfp4_param(rngs, shape, axes, init, mxfp4_axis, abstract=_ABSTRACT.get())
     if _ABSTRACT.get():
         return kind(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), axes=tuple(axes))
     return kind(init(rngs.params(), shape, dtype), axes=tuple(axes))
 
 
-def dense(eq: str, x: jax.Array, w: jax.Array | nnx.Variable, dtype=None) -> jax.Array:
-    """``jnp.einsum(eq, x, w)`` with the weight cast to the activation's (or ``dtype``) dtype."""
-    w = w[...] if isinstance(w, nnx.Variable) else w
+def dense(eq: str, x: jax.Array, w: jax.Array | nnx.Variable | QArray, dtype=None) -> jax.Array:
+    """``jnp.einsum(eq, x, w)`` with the weight cast to the activation's (or ``dtype``) dtype.
+
+    A :class:`jaxmoe.quant.QArray` weight is dequantized (exactly) to that dtype inside the
+    computation; its packed form is what is stored and moved.
+    """
     dtype = dtype or x.dtype
+    if isinstance(w, QArray):
+        w = w.dequantize(dtype)
+    w = w[...] if isinstance(w, nnx.Variable) else w
     return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), precision=jax.lax.Precision.HIGHEST)
