@@ -17,7 +17,7 @@ from typing import Any
 ATTENTION_KINDS = ("mla", "dsa", "kda")
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 ROPE_TYPES = ("default", "yarn")
-MOE_DISPATCH = ("dense",)  # expert-parallel paths (dropless, capacity, ragged) come with issue 3
+MOE_DISPATCH = ("dense", "dropless", "capacity", "ragged")  # see jaxmoe.moe.experts / expert_parallel
 DTYPES = ("float32", "bfloat16")
 # Weights that model.mxfp4_weights may name -> the logical name of the dim they contract over
 # (MXFP4 blocks of 32 run along it). The routed experts, as gpt-oss quantizes them.
@@ -94,6 +94,9 @@ class MoEConfig:
     norm_topk_prob: bool = True
     first_k_dense: int = 0
     dispatch: str = "dense"
+    # dispatch == "capacity": each expert takes ceil(capacity_factor * n * K / E) assignments from
+    # each shard's n tokens; the rest are dropped (and counted).
+    capacity_factor: float = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +317,7 @@ def validate(cfg: Config) -> None:
     if e.first_k_dense:
         _positive(e.dense_ffw_dim, "model.moe.dense_ffw_dim")
     _require(e.dispatch in MOE_DISPATCH, "model.moe.dispatch", f"must be one of {MOE_DISPATCH}, got {e.dispatch!r}")
+    _require(e.capacity_factor > 0, "model.moe.capacity_factor", f"must be > 0, got {e.capacity_factor}")
     _require(
         e.experts_per_token <= e.num_experts,
         "model.moe.experts_per_token",

@@ -22,7 +22,9 @@ from jaxmoe.config import MESH_AXES, MeshConfig
 # Logical name -> mesh axis (or tuple of axes, or None for replicated).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
-    ("batch", ("data", "fsdp")),
+    # The expert axis is extra data parallelism outside the MoE (DeepSeek-style): tokens split over it
+    # enter the expert-parallel dispatch already spread over the devices that hold different experts.
+    ("batch", ("data", "fsdp", "expert")),
     ("seq", "context"),
     ("act_embed", None),
     ("act_heads", "tensor"),

@@ -1,5 +1,14 @@
 """DeepSeek-style MoE FFN: router, routed experts (dispatch paths), shared experts, dense MLP."""
 
+from jaxmoe.moe.expert_parallel import (
+    MoEStats,
+    RaggedPlan,
+    capacity_experts,
+    dropless_experts,
+    emulate_ragged_all_to_all,
+    ragged_experts,
+    ragged_plan,
+)
 from jaxmoe.moe.experts import grouped_experts
 from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.moe.layer import MLP, MoE
@@ -9,10 +18,17 @@ from jaxmoe.moe.router import RouterBias, route
 __all__ = [
     "MLP",
     "MoE",
+    "MoEStats",
+    "RaggedPlan",
     "RouterBias",
+    "capacity_experts",
+    "dropless_experts",
+    "emulate_ragged_all_to_all",
     "grouped_experts",
     "grouped_matmul",
     "reference_experts",
+    "ragged_experts",
+    "ragged_plan",
     "reference_moe",
     "route",
 ]

@@ -4,12 +4,13 @@ Shapes: N tokens, D model dim, E experts, F expert ffw dim, K experts per token,
 A = N*K token-expert assignments.
 
 Every dispatch function has the signature of :data:`Dispatch`: given the tokens, the router's
-choice and the stacked expert weights, it returns the weighted sum of the chosen experts'
-outputs per token. ``"dense"`` (this file) is the single-program path: sort assignments by
-expert and run each expert's rows as one group of a grouped matmul
-(:func:`jaxmoe.moe.grouped.grouped_matmul`: ``jax.lax.ragged_dot`` on TPU/GPU, a blocked loop on
-CPU); it runs on one device and under GSPMD, where the compiler gathers what it needs. The
-expert-parallel paths (``shard_map`` collectives) plug in beside it in :func:`get_dispatch`.
+choice, the stacked expert weights and the MoE config, it returns the weighted sum of the chosen
+experts' outputs per token and the routing statistics (:class:`MoEStats`). ``"dense"`` (this
+file) is the single-program path: sort assignments by expert and run each expert's rows as one
+group of a grouped matmul (:func:`jaxmoe.moe.grouped.grouped_matmul`: ``jax.lax.ragged_dot`` on
+TPU/GPU, a blocked loop on CPU); it runs on one device and under GSPMD, where the compiler
+gathers what it needs. The expert-parallel paths ``"dropless"``, ``"capacity"`` and ``"ragged"``
+(``shard_map`` collectives) live in :mod:`jaxmoe.moe.expert_parallel`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.config import MOE_DISPATCH
+from jaxmoe.config import MOE_DISPATCH, MoEConfig
+from jaxmoe.moe.expert_parallel import MoEStats, capacity_experts, dropless_experts, ragged_experts
 from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.quant.qarray import QArray
 
 # (x_flat [N, D], weights [N, K], indices [N, K], w_gate [E, D, F], w_up [E, D, F],
-#  w_down [E, F, D]) -> y_flat [N, D]
-Dispatch = Callable[..., jax.Array]
+#  w_down [E, F, D], moe: MoEConfig) -> (y_flat [N, D], MoEStats)
+Dispatch = Callable[..., tuple[jax.Array, MoEStats]]
 
 
 def _grouped_dense(x_sorted: jax.Array, w: jax.Array | nnx.Variable, group_sizes: jax.Array) -> jax.Array:
@@ -81,7 +83,18 @@ def grouped_experts(
     return y.astype(x_flat.dtype)
 
 
-_DISPATCH: dict[str, Dispatch] = {"dense": grouped_experts}
+def _dense_dispatch(x_flat, weights, indices, w_gate, w_up, w_down, moe: MoEConfig) -> tuple[jax.Array, MoEStats]:
+    y = grouped_experts(x_flat, weights, indices, w_gate, w_up, w_down)
+    load = jnp.bincount(indices.reshape(-1), length=moe.num_experts).astype(jnp.int32)  # [E]
+    return y, MoEStats(load, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+
+
+_DISPATCH: dict[str, Dispatch] = {
+    "dense": _dense_dispatch,
+    "dropless": dropless_experts,
+    "capacity": capacity_experts,
+    "ragged": ragged_experts,
+}
 
 
 def get_dispatch(name: str) -> Dispatch:

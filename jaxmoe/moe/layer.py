@@ -5,7 +5,12 @@ K experts per token.
 
 Sharding: expert weights ``w[E_expert, D_fsdp, F_tensor]``; the router ``[D_fsdp, E]`` and its
 bias are replicated over experts so every device can route every token. The block output is
-constrained to ``y[B_(data,fsdp), T_context, D]``.
+constrained to ``y[B_(data,fsdp,expert), T_context, D]``. ``cfg.moe.dispatch`` picks how routed
+tokens reach their experts (:mod:`jaxmoe.moe.experts`, :mod:`jaxmoe.moe.expert_parallel`).
+
+Routing statistics (:class:`MoEStats`: per-expert load, dropped assignments) come from
+:meth:`MoE.call_with_stats`, or, for a whole model, by running it under
+``nnx.capture(fn, nnx.Intermediate)``: every MoE sows its stats as ``moe_stats``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.moe.expert_parallel import MoEStats
 from jaxmoe.moe.experts import get_dispatch
 from jaxmoe.moe.router import RouterBias, route
 from jaxmoe.nn import dense, param
@@ -67,16 +73,28 @@ class MoE(nnx.Module):
         """
         return route(x_flat, self.router[...], self.router_bias[...], self.moe)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [B, T, D] -> y [B, T, D]`` in the compute dtype."""
+    def call_with_stats(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """``x [B, T, D] -> (y [B, T, D] in the compute dtype, MoEStats)``: load and drops."""
         B, T, D = x.shape
         x = x.astype(self.dtype)
         with jax.named_scope("moe"):
             x_flat = x.reshape(B * T, D)  # [N, D]
             weights, indices, _ = self.route(x_flat)
             dispatch = get_dispatch(self.moe.dispatch)
-            y = dispatch(x_flat, weights, indices, self.w_gate, self.w_up, self.w_down)  # [N, D]
+            y, stats = dispatch(x_flat, weights, indices, self.w_gate, self.w_up, self.w_down, self.moe)  # [N, D]
             y = y.reshape(B, T, D)
             if self.shared is not None:
                 y = y + self.shared(x)
-        return constrain(y, ("batch", "seq", "act_embed"))
+        return constrain(y, ("batch", "seq", "act_embed")), stats
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [B, T, D] -> y [B, T, D]`` in the compute dtype.
+
+        Under ``nnx.capture(..., nnx.Intermediate)`` the call also sows its :class:`MoEStats` as
+        ``moe_stats`` (a tuple, one entry per call); outside a capture the module is left as it was.
+        """
+        y, stats = self.call_with_stats(x)
+        # Module.sow outside nnx.capture would add a variable to the module on every call (and warn).
+        if hasattr(self, "__captures__"):
+            self.sow(nnx.Intermediate, "moe_stats", stats)
+        return y
