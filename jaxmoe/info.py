@@ -12,10 +12,15 @@ from flax import nnx
 from jaxmoe.config import Config
 from jaxmoe.model import abstract_model
 from jaxmoe.moe import MoE
+from jaxmoe.quant import QArray
 
 
 def _size(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def _shape(w) -> tuple[int, ...]:
+    return w.shape if isinstance(w, QArray) else w.get_value().shape
 
 
 def _nbytes(tree) -> int:
@@ -26,12 +31,15 @@ def model_info(cfg: Config) -> dict:
     """Total and activated parameters, layer counts, per-token KV cache and per-sequence state."""
     m = cfg.model
     model = abstract_model(m)
-    total = _size(nnx.state(model, nnx.Param))
+    # MXFP4 weights count by their logical (float) shape, not their packed bytes.
+    total = _size(nnx.state(model, nnx.Param)) + sum(
+        math.prod(q.shape) for _, q in nnx.iter_graph(model) if isinstance(q, QArray)
+    )
     # Routed experts a token does not visit are the only parameters it does not activate.
     inactive = 0
     for _, module in nnx.iter_graph(model):
         if isinstance(module, MoE):
-            routed = _size([module.w_gate.get_value(), module.w_up.get_value(), module.w_down.get_value()])
+            routed = sum(math.prod(_shape(w)) for w in (module.w_gate, module.w_up, module.w_down))
             inactive += routed * (m.moe.num_experts - m.moe.experts_per_token) // m.moe.num_experts
 
     dtype = jnp.dtype(m.dtype)

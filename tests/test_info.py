@@ -41,3 +41,13 @@ def test_kv_cache_bytes_deepseek_v3():
     info = model_info(load_config(ROOT / "configs/deepseek_v3.py"))
     assert info["kv_cache_bytes_per_token"] == 61 * (512 + 64) * 2
     assert info["state_bytes_per_sequence"] == 0
+
+
+def test_mxfp4_experts_count_logical_parameters():
+    """Packing the routed experts in MXFP4 changes bytes, not the parameter count."""
+    import dataclasses
+
+    cfg = load_config(ROOT / "configs/target.py")
+    packed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mxfp4_weights=("w_gate", "w_up", "w_down")))
+    a, b = model_info(cfg), model_info(packed)
+    assert (a["total_params"], a["active_params"]) == (b["total_params"], b["active_params"])
