@@ -20,6 +20,7 @@ output is MXFP4, and dequantized (exactly) otherwise.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import pathlib
 import re
@@ -96,6 +97,20 @@ def _with_mxfp4(cfg: Config, names: tuple[str, ...]) -> Config:
     return from_config_dict(values)
 
 
+def _release_freed_memory() -> None:
+    """Makes glibc hand large freed blocks back to the OS (a fixed mmap threshold of 1 MiB).
+
+    By default glibc raises its mmap threshold after large frees, so the per-expert tensors a
+    conversion reads, stacks and drops (MBs each, thousands of them) end up in a fragmented heap
+    that never shrinks: peak RSS then grows with the model instead of with the largest tensor.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
 def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
 
@@ -108,6 +123,7 @@ def quantize_checkpoint(src, dst, names: tuple[str, ...] | None = None, *, progr
     """Float jaxmoe checkpoint -> MXFP4 one (``names``: weights to pack; default the routed experts)."""
     from jaxmoe.quant import MXFP4_CONTRACTING_AXIS, ROUTED_EXPERTS  # noqa: PLC0415
 
+    _release_freed_memory()
     reader = CheckpointReader(src)
     if reader.cfg.model.mxfp4_weights:
         raise CheckpointError(
@@ -133,6 +149,7 @@ def dequantize_checkpoint(src, dst, *, progress: bool = True) -> dict:
     """MXFP4 jaxmoe checkpoint -> float one (``model.param_dtype``), exact values."""
     from jaxmoe.quant import MXFP4_CONTRACTING_AXIS  # noqa: PLC0415
 
+    _release_freed_memory()
     reader = CheckpointReader(src)
     names = reader.cfg.model.mxfp4_weights
     if not names:
@@ -291,6 +308,7 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
 
     if quant not in (None, *QUANT_FORMATS):
         raise CheckpointError(f"--quant {quant!r} is not supported; allowed: {QUANT_FORMATS}")
+    _release_freed_memory()
     src = pathlib.Path(src)
     cfg_file = src / "config.json"
     if not cfg_file.is_file():

@@ -70,6 +70,7 @@ def load_moe(
     for attr, name in zip(("w_gate", "w_up", "w_down"), expert_names):
         stacked = _stack_experts(tensors, prefix, name, E)  # [E, in, out]
         assign(getattr(module, attr), stacked, f"{prefix}experts.*.{name}.weight (stacked)")
+        del stacked  # streaming conversion: keep at most one stacked weight alive while the next is read
 
     shared_key = f"{prefix}shared_experts.gate_proj.weight"
     if module.shared is not None:

@@ -46,7 +46,9 @@ def to_host(x) -> np.ndarray:
         from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
 
         x = multihost_utils.process_allgather(x, tiled=True)
-    return np.ascontiguousarray(np.asarray(x))
+    a = np.asarray(x)
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,).)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def array_record(x) -> dict:
@@ -150,30 +152,29 @@ def _nested(keys: tuple, leaf) -> dict:
     return leaf
 
 
-def restore_pytree(
-    directory: pathlib.Path, target, records: Mapping[str, dict], *, checkpoint, prefix: str = "", stored=None
-):
+def restore_pytree(directory: pathlib.Path, target, records: Mapping[str, dict], *, checkpoint, prefix: str = ""):
     """Restores ``target`` (a pytree of ``jax.ShapeDtypeStruct``) from an Orbax pytree directory.
 
     A leaf with a sharding is restored as a ``jax.Array`` with that sharding (the checkpoint may
     have been written on any mesh); a leaf whose sharding is None comes back as a host numpy array.
-    Every array is checked against ``records[prefix + path]``. ``stored`` (from
-    :func:`stored_arrays`) saves re-reading the metadata when restoring leaf by leaf.
+    Every array is checked against ``records[prefix + path]`` (shape and dtype before reading,
+    the checksum after); the records, not Orbax's own metadata, are the authority, so a damaged
+    metadata file is reported per array as well.
 
     Raises:
         CheckpointError: naming the checkpoint and the array that is missing, has another shape
             or dtype, cannot be read, or fails its checksum.
     """
-    stored = stored_arrays(directory, checkpoint) if stored is None else stored
     leaves = jax.tree_util.tree_flatten_with_path(target)[0]
     for keypath, spec in leaves:
-        name = path_str(keypath)
-        if name not in stored:
-            raise CheckpointError(f"checkpoint {str(checkpoint)!r} has no array {prefix + name!r}")
-        _, shape, dtype = stored[name]
+        name = prefix + path_str(keypath)
+        record = records.get(name)
+        if record is None:
+            raise CheckpointError(f"checkpoint {str(checkpoint)!r} has no array {name!r}")
+        shape, dtype = tuple(record["shape"]), np.dtype(record["dtype"])
         if shape != tuple(spec.shape) or dtype != np.dtype(spec.dtype):
             raise CheckpointError(
-                f"checkpoint {str(checkpoint)!r}: array {prefix + name!r} is stored as {dtype} {shape}, "
+                f"checkpoint {str(checkpoint)!r}: array {name!r} is stored as {dtype} {shape}, "
                 f"the restore target expects {np.dtype(spec.dtype)} {tuple(spec.shape)}"
             )
     try:
@@ -181,7 +182,7 @@ def restore_pytree(
     except Exception as e:  # noqa: BLE001 (TensorStore raises plain Exceptions; find the arrays behind it)
         bad = []
         for keypath, spec in leaves:
-            keys = stored[path_str(keypath)][0]
+            keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath)
             try:
                 _raw_restore(directory, _nested(keys, spec))
             except Exception as leaf_error:  # noqa: BLE001

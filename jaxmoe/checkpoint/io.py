@@ -42,6 +42,7 @@ from jaxmoe.checkpoint.integrity import (
     pytree_dir,
     restore_pytree,
     stored_arrays,
+    to_host,
 )
 from jaxmoe.config import Config, ConfigError, from_config_dict
 from jaxmoe.sharding import state_shardings
@@ -50,7 +51,7 @@ CONFIG_FILE = "config.json"
 CHECKSUMS_FILE = "checksums.json"
 PARAMS_DIR = "params"
 FORMAT = "jaxmoe-checkpoint/1"
-GROUP_BYTES = 256 << 20  # small arrays are batched into one Orbax write up to this size
+GROUP_BYTES = 64 << 20  # small arrays are batched into one Orbax write up to this size
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -85,7 +86,7 @@ class ArrayTreeWriter:
 
     def add(self, path: tuple, value) -> None:
         """Queues ``value`` (numpy or single-process JAX array) under ``path`` (a tuple of keys)."""
-        value = np.ascontiguousarray(np.asarray(value))
+        value = to_host(value)
         name = path_str(path)
         if name in self.records:
             raise CheckpointError(f"array {name!r} was written twice")
@@ -228,9 +229,7 @@ class CheckpointReader:
         target = jax.ShapeDtypeStruct(shape, dtype)
         for k in reversed(keys):
             target = {k: target}
-        return jax.tree.leaves(
-            restore_pytree(self._dir, target, self.records, checkpoint=self.path, stored=self.arrays)
-        )[0]
+        return jax.tree.leaves(restore_pytree(self._dir, target, self.records, checkpoint=self.path))[0]
 
 
 def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
@@ -259,12 +258,11 @@ def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
         nnx.to_pure_dict(shardings),
     )
     wanted = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
-    stored = stored_arrays(params_dir, path)
-    extra = sorted(set(stored) - wanted)
+    extra = sorted(set(records) - wanted)
     if extra:
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds {len(extra)} arrays its config's model does not have, e.g. {extra[:3]}"
         )
-    restored = restore_pytree(params_dir, target, records, checkpoint=path, stored=stored)
+    restored = restore_pytree(params_dir, target, records, checkpoint=path)
     nnx.replace_by_pure_dict(abstract_state, restored)
     return cfg, nnx.merge(graphdef, abstract_state)
