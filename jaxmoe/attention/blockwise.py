@@ -49,6 +49,14 @@ def _pad(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _vary_like(x, *likes):
+    """``x`` made to vary over every mesh axis any of ``likes`` varies over; identity outside
+    ``jax.shard_map``. Inside one, fresh scan/cond carries must match the values they meet."""
+    vma = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in likes))
+    missing = tuple(sorted(vma - jax.typeof(x).manual_axis_type.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _blocks(x: jax.Array, size: int) -> jax.Array:
     """``[B, L, ...]`` (L a multiple of size) -> ``[L/size, B, size, ...]``."""
     B, L = x.shape[:2]
@@ -115,6 +123,7 @@ def blockwise_partials(q, k, v, q_pos, kv_pos, scale, *, block_q=512, block_k=51
             jnp.zeros((B, N, bq), jnp.float32),
             jnp.zeros((B, N, bq, V), jnp.float32),
         )
+        init = tuple(_vary_like(a, q, k, v, q_pos, kv_pos) for a in init)  # for use inside shard_map
         # Rematerialise each key block's scores in the backward pass: memory O(T), not O(T*S).
         step = jax.checkpoint(lambda c, blk: _key_block(c, blk, qb, qpb, scale))
         (m, l, acc), _ = jax.lax.scan(step, init, kv)

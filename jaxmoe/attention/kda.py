@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.attention import context_parallel as cp
 from jaxmoe.config import ModelConfig
 from jaxmoe.nn import dense, param, rms_norm
 from jaxmoe.nn.linear import normal, ones
@@ -183,6 +184,22 @@ def chunked_delta_rule(
 # The layer
 
 
+def short_conv(x: jax.Array, w: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv (before the SiLU) continuing from ``conv_state``.
+
+    Args:
+      x: ``[B, T, ...]`` inputs. w: ``[K, ...]`` taps, tap K-1 multiplies the current token (as
+        torch conv1d). conv_state: ``[B, K-1, ...]`` the K-1 inputs before ``x``.
+
+    Returns:
+      ``y [B, T, ...]`` and the last K-1 inputs ``[B, K-1, ...]`` (the next conv state).
+    """
+    t, kw = x.shape[1], w.shape[0]
+    xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, ...]
+    y = sum(xp[:, j : j + t] * w[j] for j in range(kw))
+    return y, xp[:, t:]
+
+
 def _a_log_init(key, shape, dtype):
     # FLA: A ~ U(1, 16), stored as log A.
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
@@ -234,31 +251,35 @@ class KDA(nnx.Module):
             recurrent=jnp.zeros((batch_size, n, h, h), jnp.float32),
         )
 
-    def _conv(self, x: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _conv(self, x: jax.Array, conv_state: jax.Array, context_parallel: bool = False) -> tuple[jax.Array, jax.Array]:
         """q, k, v projections through the causal depthwise convs and SiLU.
 
-        Returns ``[B, T, 3, N, H]`` and the new conv state ``[B, K-1, 3, N, H]``.
+        Returns ``[B, T, 3, N, H]`` and the new conv state ``[B, K-1, 3, N, H]``. With
+        ``context_parallel`` the sequence is split over the ``context`` mesh axis and each shard
+        takes its halo from the previous one.
         """
-        t, kw = x.shape[1], self.conv_kernel
         with jax.named_scope('qkv'):
             qkv = jnp.stack([dense('BTD,DNH->BTNH', x, w) for w in (self.q, self.k, self.v)], axis=2)
         with jax.named_scope('short_conv'):
             w = jnp.stack([self.q_conv[...], self.k_conv[...], self.v_conv[...]], axis=1)  # [K, 3, N, H]
             w = w.astype(qkv.dtype)
-            xp = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, 3, N, H]
-            # Output t sees inputs t-K+1..t; tap K-1 multiplies the current token (as torch conv1d).
-            y = sum(xp[:, j : j + t] * w[j] for j in range(kw))
-        return jax.nn.silu(y), xp[:, t:]
+            if context_parallel:
+                y, conv_state = cp.context_parallel_conv(qkv, w, conv_state, short_conv)
+            else:
+                y, conv_state = short_conv(qkv, w, conv_state)
+        return jax.nn.silu(y), conv_state
 
-    def _inputs(self, x: jax.Array, state: KDAState):
+    def _inputs(self, x: jax.Array, state: KDAState, context_parallel: bool = False):
         """Everything the delta rule reads, and the new conv state."""
         x = x.astype(self.dtype)
-        qkv, conv_state = self._conv(x, state.conv)
+        qkv, conv_state = self._conv(x, state.conv, context_parallel)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, N, H] each
         # FLA normalises in fp32.
         q = l2norm(q.astype(jnp.float32)) * self.head_dim**-0.5
         k = l2norm(k.astype(jnp.float32))
-        q, k, v = (constrain(a, ('batch', None, 'act_heads', None)) for a in (q, k, v))
+        # The whole sequence on each device for the local scan; split over 'context' for the CP one.
+        seq = 'seq' if context_parallel else None
+        q, k, v = (constrain(a, ('batch', seq, 'act_heads', None)) for a in (q, k, v))
         with jax.named_scope('gates'):
             f = dense('BTH,HNG->BTNG', dense('BTD,DH->BTH', x, self.f_a), self.f_b)
             f = f.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
@@ -284,11 +305,19 @@ class KDA(nnx.Module):
 
         Returns:
           ``y [B, T, D]`` in the compute dtype, and the state after the last token.
+
+        With a mesh whose ``context`` axis has size P > 1 the sequence is split over it (T a
+        multiple of P, at least ``conv_kernel - 1`` tokens a shard) and the result is the same.
         """
         state = self.init_state(x.shape[0]) if state is None else state
         with jax.named_scope('kda'):
-            (q, k, v, g, beta), conv_state = self._inputs(x, state)
-            o, recurrent = chunked_delta_rule(q, k, v, g, beta, state.recurrent, self.chunk_size)
+            if cp.context_parallel_size() > 1:
+                (q, k, v, g, beta), conv_state = self._inputs(x, state, context_parallel=True)
+                rule = cp.context_parallel_delta_rule
+            else:
+                (q, k, v, g, beta), conv_state = self._inputs(x, state)
+                rule = chunked_delta_rule
+            o, recurrent = rule(q, k, v, g, beta, state.recurrent, self.chunk_size)
             return self._output(o, x), KDAState(conv_state, recurrent)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:

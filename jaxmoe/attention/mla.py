@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.attention import context_parallel as cp
 from jaxmoe.attention.blockwise import blockwise_attention
 from jaxmoe.config import ModelConfig
 from jaxmoe.nn import RMSNorm, apply_rope, dense, param, rope_frequencies, yarn_mscale
@@ -167,7 +168,11 @@ class MLA(nnx.Module):
 
         Expanded (per-head K/V) form, computed block by block with an online softmax
         (:func:`blockwise_attention`); :meth:`attention_probs` is the dense form of the same.
+        With a mesh whose ``context`` axis has size P > 1 this is ring attention
+        (:meth:`context_parallel`); T must then be a multiple of 2P.
         """
+        if cp.context_parallel_size() > 1:
+            return self.context_parallel(x, positions)
         with jax.named_scope("mla"):
             q_nope, q_rope = self.queries(x, positions)
             c_kv, k_rope = self.latents(x, positions)
@@ -179,6 +184,31 @@ class MLA(nnx.Module):
             out = blockwise_attention(q, k, v, positions, positions, softmax_scale(self.cfg))
             with jax.named_scope("out_proj"):
                 return dense("BTNH,NHD->BTD", out, self.o)
+
+    def context_parallel(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """:meth:`__call__` for ``x[B, T_context, D]``: ring attention over the ``context`` axis.
+
+        Tokens move to the zig-zag layout (balanced causal work) for the attention and back, so
+        the caller's layout stays contiguous; the kv latents, not per-head K/V, circulate.
+        """
+        with jax.named_scope("mla_ring"):
+            x, positions = cp.to_zigzag(x), cp.to_zigzag(positions)
+            q_nope, q_rope = self.queries(x, positions)
+            c_kv, k_rope = self.latents(x, positions)
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + R]
+            out = cp.ring_mla_attention(
+                q,
+                c_kv,
+                k_rope,
+                self.kv_b[...],
+                positions,
+                positions,
+                softmax_scale(self.cfg),
+                nope_dim=self.cfg.mla.qk_nope_head_dim,
+            )
+            with jax.named_scope("out_proj"):
+                y = dense("BTNH,NHD->BTD", out, self.o)
+            return cp.from_zigzag(y)
 
     def attend_latent(
         self,
