@@ -8,9 +8,12 @@ RoPE, unlike MLA's interleaved RoPE. Selection is ``top_k`` over causal entries;
 gradient (the reference runs the indexer under ``no_grad``); the indexer is trained by its own KL
 loss (``jaxmoe.train.dsa_loss``).
 
-Sparse attention gathers the selected latents per query (``[B, T, K, C]``) and attends in the
-absorbed (MQA-over-latent) form, so no dense ``[T, S]`` mask and no per-head K/V are built. The
-indexer scoring itself is still ``[B, T, S]``; the context-parallel path replaces it later.
+Two paths compute the layer. :meth:`DSA.__call__` runs :func:`jaxmoe.attention.dsa_context.sparse_dsa`:
+the indexer scores stream block by block into a running top-K per query and each query gathers
+only its K selected latents, so no ``[T, S]`` array exists; with a ``context`` mesh axis it runs
+context-parallel (keys and latents go round the ring). :meth:`DSA.select` and
+:meth:`DSA.sparse_attention` are the dense reference: ``[B, T, S]`` index scores, ``top_k``, a
+``[B, T, K, C]`` gather (and the probabilities the indexer's KL loss needs).
 
 Shape letters: B batch, T query length, S key length, K selected keys per query, D model dim,
 N heads, H head dim, R rope dim, C kv latent dim, Q q latent dim. Indexer heads are N too in the
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.attention.dsa_context import DSABlocks, index_scores, sparse_dsa
 from jaxmoe.attention.mla import MLA, masked_softmax, softmax_scale
 from jaxmoe.config import ModelConfig
 from jaxmoe.nn import LayerNorm, apply_rope, dense, param, rope_frequencies
@@ -58,8 +62,23 @@ class Indexer(nnx.Module):
         rotated = apply_rope(x[..., :R], positions, inv_freq, attention_factor, interleaved=False)
         return jnp.concatenate([rotated, x[..., R:]], axis=-1)
 
+    def query_terms(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rotated queries ``q[B, T, NI, HI]`` and head weights ``w[B, T, NI]`` (float32).
+
+        ``w`` carries both scales, ``NI**-0.5`` and ``HI**-0.5`` (relu commutes with a positive
+        scale), so scores are ``sum_j w[t, j] relu(q[t, j] . k[s])``.
+        """
+        NI, HI = self.cfg.indexer.num_heads, self.cfg.indexer.head_dim
+        q = self._rope(dense("BTQ,QNH->BTNH", q_latent, self.wq_b), positions)
+        w = dense("BTD,DN->BTN", x, self.weights_proj).astype(jnp.float32) * (NI**-0.5 * HI**-0.5)
+        return q, w
+
+    def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Rotated keys ``k[B, S, HI]``, one per token, shared by the indexer heads."""
+        return self._rope(self.k_norm(dense("BSD,DH->BSH", x, self.wk)), positions)
+
     def __call__(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array) -> jax.Array:
-        """Index scores of every query against every key of the same sequence.
+        """Index scores of every query against every key of the same sequence (dense reference).
 
         Args:
             x: ``[B, T, D]`` the layer input.
@@ -71,14 +90,8 @@ class Indexer(nnx.Module):
             with respect to the indexer parameters and the inputs; callers stop gradients.
         """
         with jax.named_scope("indexer"):
-            NI, HI = self.cfg.indexer.num_heads, self.cfg.indexer.head_dim
-            q = self._rope(dense("BTQ,QNH->BTNH", q_latent, self.wq_b), positions)
-            k = self._rope(self.k_norm(dense("BSD,DH->BSH", x, self.wk)), positions)
-            dots = jnp.einsum("BTNH,BSH->BTNS", q, k, preferred_element_type=jnp.float32)
-            w = dense("BTD,DN->BTN", x, self.weights_proj).astype(jnp.float32) * NI**-0.5
-            scores = jnp.einsum("BTN,BTNS->BTS", w, jax.nn.relu(dots * HI**-0.5))
-            visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, S]
-            return jnp.where(visible, scores, -jnp.inf)
+            q, w = self.query_terms(x, q_latent, positions)
+            return index_scores(q, w, self.keys(x, positions), positions, positions)
 
     def select(self, scores: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Top ``K = min(topk, S)`` keys per query.
@@ -109,6 +122,7 @@ class DSA(MLA):
             )
         super().__init__(cfg, rngs=rngs)
         self.indexer = Indexer(cfg, rngs=rngs)
+        self.blocks = DSABlocks()  # block sizes of the streamed path; results do not depend on them
 
     def select(self, x: jax.Array, positions: jax.Array, q_latent: jax.Array | None = None):
         """Runs the indexer on detached inputs: ``(indices[B, T, K], valid[B, T, K])``."""
@@ -149,9 +163,33 @@ class DSA(MLA):
         return self.output_from_latent(o_lat), probs
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Causal sparse self-attention over ``x[B, T, D]`` at ``positions[B, T]`` -> ``[B, T, D]``."""
+        """Causal sparse self-attention over ``x[B, T, D]`` at ``positions[B, T]`` -> ``[B, T, D]``.
+
+        Streamed selection and gathered attention (:func:`sparse_dsa`), context-parallel when the
+        mesh set with ``jax.set_mesh`` has a ``context`` axis larger than 1 (T must then be a
+        multiple of it). Equal to :meth:`select` + :meth:`sparse_attention`.
+        """
         with jax.named_scope("dsa"):
             q_latent = self.query_latent(x)
-            indices, valid = self.select(x, positions, q_latent)
-            y, _ = self.sparse_attention(x, positions, indices, valid, q_latent)
-            return y
+            q_nope, q_rope = self.queries(x, positions, q_latent)
+            q_cat = jnp.concatenate([self.absorb_query(q_nope), q_rope.astype(q_nope.dtype)], axis=-1)  # [B, T, N, C+R]
+            c_kv, k_rope = self.latents(x, positions)
+            latents = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [B, S, C+R]
+            x_i, q_latent_i = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+            with jax.named_scope("indexer"):
+                q_index, w_index = self.indexer.query_terms(x_i, q_latent_i, positions)
+                k_index = self.indexer.keys(x_i, positions)
+            o_latent = sparse_dsa(
+                q_index,
+                w_index,
+                q_cat,
+                positions,
+                k_index,
+                latents,
+                positions,
+                topk=self.cfg.indexer.topk,
+                scale=softmax_scale(self.cfg),
+                latent_dim=self.cfg.mla.kv_lora_rank,
+                blocks=self.blocks,
+            )
+            return self.output_from_latent(o_latent)

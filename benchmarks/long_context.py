@@ -1,0 +1,281 @@
+"""Long-context prefill of ``configs/long_context.py`` (1 ``dsa`` : 3 ``kda`` layers) on 8 CPU devices.
+
+    python benchmarks/long_context.py --tokens 1048576        # one JSON line
+    python benchmarks/long_context.py --sweep                 # 64K..1M, exponent, HF deepseek_v32 ratio
+    python benchmarks/long_context.py --memory --tokens 65536 # per-device memory vs context size P
+
+Prefill: the whole sequence through every layer, the sequence split over the ``context`` mesh
+axis (8 fake devices of this machine's CPU), then the next-token logits of the last position.
+``seconds`` excludes compilation (``compile_s``); ``peak_rss_gb`` is the process's peak resident
+memory, compilation included. ``--sweep`` runs each length in its own process (so each peak is
+its own), fits ``seconds ~ tokens^exponent``, and times HF transformers' ``deepseek_v32`` with
+the same dims (all layers ``dsa``; HF has no ``kda``) at the longest length it fits, against
+this model at that length. ``--memory`` compiles the prefill for context axis sizes 1, 2, 4, 8
+and reports XLA's per-device memory analysis.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "long_context.py"
+SWEEP = (65536, 131072, 262144, 524288, 1048576)
+HF_LENGTHS = (16384, 8192, 4096)  # tried longest first until one fits
+
+
+def _avoid_lapack_deadlock() -> None:
+    """Swaps jax.scipy's triangular solve for forward substitution in this process.
+
+    With 8 CPU devices running at once, jaxlib's LAPACK ``trsm`` FFI kernel (KDA's chunked delta
+    rule solves a unit lower-triangular system per chunk) splits its batch over XLA's intra-op
+    thread pool and blocks waiting for it (``ParallelBatchMap``); when every pool thread is such
+    a waiter the process deadlocks (all threads in futex waits, 0% CPU; seen at 48..65536 tokens
+    with context 8). Forward substitution is the same arithmetic, row by row, with no LAPACK call.
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    def solve_unit_lower(a, b, *, lower=False, unit_diagonal=False, **kwargs):
+        if not (lower and unit_diagonal) or kwargs:
+            raise NotImplementedError("only the unit lower-triangular solve KDA uses is replaced")
+        strict = jnp.tril(a, -1)
+
+        def row(i, x):  # x[i] = b[i] - sum_{s < i} a[i, s] x[s]
+            return x.at[..., i, :].set(b[..., i, :] - jnp.einsum("...S,...SM->...M", strict[..., i, :], x))
+
+        return jax.lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(b))
+
+    jax.scipy.linalg.solve_triangular = solve_unit_lower
+
+
+def _peak_rss_gb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)
+
+
+def _prefill(cfg, mesh):
+    """A jitted ``(state, tokens[1, T]) -> logits[1, V]`` and the model's state, placed on ``mesh``."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxmoe.model import create_model  # noqa: PLC0415
+    from jaxmoe.nn import dense  # noqa: PLC0415
+
+    model = create_model(cfg.model, mesh=mesh)
+    graphdef, state = nnx.split(model)
+
+    def prefill(state, tokens):
+        m = nnx.merge(graphdef, state)
+        h = m.hidden(tokens)  # [1, T, D], T split over context
+        return dense("BD,DV->BV", h[:, -1], m.lm_head)  # only the next token's logits: no [T, V]
+
+    return jax.jit(prefill), state
+
+
+def _tokens(n, mesh):
+    import jax  # noqa: PLC0415
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    ids = np.random.default_rng(0).integers(0, 512, (1, n), dtype=np.int32)
+    return jax.device_put(ids, NamedSharding(mesh, PartitionSpec(None, "context")))
+
+
+def run_jaxmoe(n: int) -> dict:
+    import jax  # noqa: PLC0415
+
+    from jaxmoe.config import load_config  # noqa: PLC0415
+    from jaxmoe.sharding import make_mesh  # noqa: PLC0415
+
+    cfg = load_config(CONFIG)
+    mesh = make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        prefill, state = _prefill(cfg, mesh)
+        tokens = _tokens(n, mesh)
+        t0 = time.perf_counter()
+        compiled = prefill.lower(state, tokens).compile()
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logits = compiled(state, tokens).block_until_ready()
+        seconds = time.perf_counter() - t0
+    assert np.isfinite(np.asarray(logits)).all()
+    return {
+        "benchmark": "long_context",
+        "tokens": n,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(n / seconds, 1),
+        "peak_rss_gb": _peak_rss_gb(),
+        "compile_s": round(compile_s, 1),
+        "layer_kinds": list(cfg.model.layer_kinds),
+        "topk": cfg.model.indexer.topk,
+        "context_shards": cfg.mesh.context,
+        "devices": f"8 fake CPU devices on {os.cpu_count()} cores",
+    }
+
+
+def run_memory(n: int) -> dict:
+    """Per-device memory (XLA's compiled memory analysis) of the prefill for context sizes 1..8."""
+    import jax  # noqa: PLC0415
+
+    from jaxmoe.config import load_config  # noqa: PLC0415
+    from jaxmoe.sharding import make_mesh  # noqa: PLC0415
+
+    cfg = load_config(CONFIG)
+    temp, args = {}, {}
+    for p in (1, 2, 4, 8):
+        mesh_cfg = dataclasses.replace(cfg.mesh, context=p, tensor=8 // p)  # tensor: spare devices
+        mesh = make_mesh(mesh_cfg)
+        with jax.set_mesh(mesh):
+            prefill, state = _prefill(cfg, mesh)
+            tokens = jax.ShapeDtypeStruct((1, n), np.int32, sharding=_tokens(1 * p, mesh).sharding)
+            analysis = prefill.lower(state, tokens).compile().memory_analysis()
+        temp[p] = int(analysis.temp_size_in_bytes)
+        args[p] = int(analysis.argument_size_in_bytes)
+    return {
+        "benchmark": "long_context_memory",
+        "tokens": n,
+        "temp_bytes_per_device": temp,
+        "argument_bytes_per_device": args,
+        "temp_p1_over_p8": round(temp[1] / temp[8], 2),
+    }
+
+
+def _hf_config(cfg, n):
+    import transformers  # noqa: PLC0415
+
+    m = cfg.model
+    return transformers.DeepseekV32Config(
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=m.moe.dense_ffw_dim,
+        moe_intermediate_size=m.moe.expert_ffw_dim,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.mla.num_heads,
+        num_key_value_heads=m.mla.num_heads,
+        q_lora_rank=m.mla.q_lora_rank,
+        kv_lora_rank=m.mla.kv_lora_rank,
+        qk_nope_head_dim=m.mla.qk_nope_head_dim,
+        qk_rope_head_dim=m.mla.qk_rope_head_dim,
+        v_head_dim=m.mla.v_head_dim,
+        index_topk=m.indexer.topk,
+        index_head_dim=m.indexer.head_dim,
+        index_n_heads=m.indexer.num_heads,
+        n_routed_experts=m.moe.num_experts,
+        num_experts_per_tok=m.moe.experts_per_token,
+        n_shared_experts=m.moe.num_shared_experts,
+        n_group=m.moe.num_groups,
+        topk_group=m.moe.topk_groups,
+        routed_scaling_factor=m.moe.routed_scaling_factor,
+        first_k_dense_replace=m.moe.first_k_dense,
+        max_position_embeddings=max(n, 4096),
+        attn_implementation="eager",
+    )
+
+
+def run_hf(n: int) -> dict:
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from jaxmoe.config import load_config  # noqa: PLC0415
+
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(0)
+    model = transformers.DeepseekV32ForCausalLM(_hf_config(load_config(CONFIG), n)).eval()
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 512, (1, n))).long()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        logits = model(ids, logits_to_keep=1, use_cache=False).logits
+        seconds = time.perf_counter() - t0
+    assert torch.isfinite(logits).all()
+    return {
+        "benchmark": "long_context_hf_deepseek_v32",
+        "tokens": n,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(n / seconds, 1),
+        "peak_rss_gb": _peak_rss_gb(),
+    }
+
+
+def _subprocess(*flags, timeout=3600) -> dict | None:
+    """Runs this script with ``flags`` in a fresh process; its JSON line, or None if it failed."""
+    try:
+        out = subprocess.run(
+            [sys.executable, __file__, *flags], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if out.returncode == 0 and lines else None
+
+
+def sweep(lengths, hf_timeout: float) -> None:
+    results = []
+    for n in lengths:
+        r = _subprocess("--tokens", str(n))
+        if r is None:
+            print(json.dumps({"benchmark": "long_context", "tokens": n, "failed": True}), flush=True)
+            continue
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    x = np.log([r["tokens"] for r in results])
+    y = np.log([r["seconds"] for r in results])
+    exponent = float(np.polyfit(x, y, 1)[0]) if len(results) >= 2 else math.nan
+    summary = {
+        "benchmark": "long_context_sweep",
+        "tokens": [r["tokens"] for r in results],
+        "seconds": [r["seconds"] for r in results],
+        "peak_rss_gb": [r["peak_rss_gb"] for r in results],
+        "time_exponent": round(exponent, 3),
+    }
+    for n in HF_LENGTHS:  # HF builds [T, T] index scores and masks: find the longest it fits
+        hf = _subprocess("--hf", "--tokens", str(n), timeout=hf_timeout)
+        if hf is None:
+            continue
+        ours = _subprocess("--tokens", str(n))
+        summary.update(
+            hf_tokens=n,
+            hf_seconds=hf["seconds"],
+            hf_peak_rss_gb=hf["peak_rss_gb"],
+            jaxmoe_seconds_at_hf_tokens=ours["seconds"],
+            speedup_vs_hf=round(hf["seconds"] / ours["seconds"], 2),
+        )
+        break
+    print(json.dumps(summary), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=65536, help="sequence length (a multiple of 8)")
+    p.add_argument("--sweep", action="store_true", help="64K..1M, fitted exponent, HF deepseek_v32 ratio")
+    p.add_argument("--max-tokens", type=int, default=SWEEP[-1], help="longest length of --sweep")
+    p.add_argument("--memory", action="store_true", help="per-device memory analysis for context 1, 2, 4, 8")
+    p.add_argument("--hf", action="store_true", help="time HF transformers deepseek_v32 instead")
+    p.add_argument("--hf-timeout", type=float, default=900, help="seconds allowed per HF attempt in --sweep")
+    args = p.parse_args()
+    _avoid_lapack_deadlock()
+    if args.sweep:
+        sweep([n for n in SWEEP if n <= args.max_tokens], args.hf_timeout)
+    elif args.memory:
+        print(json.dumps(run_memory(args.tokens)))
+    elif args.hf:
+        print(json.dumps(run_hf(args.tokens)))
+    else:
+        if args.tokens % 8:
+            p.error(f"--tokens must be a multiple of the 8 context shards, got {args.tokens}")
+        print(json.dumps(run_jaxmoe(args.tokens)))
+
+
+if __name__ == "__main__":
+    main()
