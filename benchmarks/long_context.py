@@ -135,7 +135,7 @@ def run_memory(n: int) -> dict:
     cfg = load_config(CONFIG)
     temp, args = {}, {}
     for p in (1, 2, 4, 8):
-        mesh_cfg = dataclasses.replace(cfg.mesh, context=p, tensor=8 // p)  # tensor: spare devices
+        mesh_cfg = dataclasses.replace(cfg.mesh, context=p, data=8 // p)  # spare devices on data (batch 1: replicated)
         mesh = make_mesh(mesh_cfg)
         with jax.set_mesh(mesh):
             prefill, state = _prefill(cfg, mesh)
