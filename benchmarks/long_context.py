@@ -37,31 +37,6 @@ SWEEP = (65536, 131072, 262144, 524288, 1048576)
 HF_LENGTHS = (16384, 8192, 4096)  # tried longest first until one fits
 
 
-def _avoid_lapack_deadlock() -> None:
-    """Swaps jax.scipy's triangular solve for forward substitution in this process.
-
-    With 8 CPU devices running at once, jaxlib's LAPACK ``trsm`` FFI kernel (KDA's chunked delta
-    rule solves a unit lower-triangular system per chunk) splits its batch over XLA's intra-op
-    thread pool and blocks waiting for it (``ParallelBatchMap``); when every pool thread is such
-    a waiter the process deadlocks (all threads in futex waits, 0% CPU; seen at 48..65536 tokens
-    with context 8). Forward substitution is the same arithmetic, row by row, with no LAPACK call.
-    """
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    def solve_unit_lower(a, b, *, lower=False, unit_diagonal=False, **kwargs):
-        if not (lower and unit_diagonal) or kwargs:
-            raise NotImplementedError("only the unit lower-triangular solve KDA uses is replaced")
-        strict = jnp.tril(a, -1)
-
-        def row(i, x):  # x[i] = b[i] - sum_{s < i} a[i, s] x[s]
-            return x.at[..., i, :].set(b[..., i, :] - jnp.einsum("...S,...SM->...M", strict[..., i, :], x))
-
-        return jax.lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(b))
-
-    jax.scipy.linalg.solve_triangular = solve_unit_lower
-
-
 def _peak_rss_gb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)
 
@@ -264,7 +239,6 @@ def main():
     p.add_argument("--hf", action="store_true", help="time HF transformers deepseek_v32 instead")
     p.add_argument("--hf-timeout", type=float, default=900, help="seconds allowed per HF attempt in --sweep")
     args = p.parse_args()
-    _avoid_lapack_deadlock()
     if args.sweep:
         sweep([n for n in SWEEP if n <= args.max_tokens], args.hf_timeout)
     elif args.memory:

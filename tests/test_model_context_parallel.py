@@ -29,9 +29,7 @@ MODEL_MESHES = {
 }
 
 
-# The tiny config's kinds with its dsa layer as mla: dsa context parallelism lives in
-# dsa_context.py; once it is in, set this to the config's own layer_kinds.
-TINY_KINDS = ("mla", "kda", "mla", "kda")
+TINY_KINDS = ("mla", "kda", "dsa", "kda")  # the tiny config's own kinds: every attention kind
 
 
 @functools.cache

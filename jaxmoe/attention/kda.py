@@ -105,6 +105,20 @@ def recurrent_delta_rule(
     return jnp.moveaxis(o, 0, 1).astype(dtype), state
 
 
+def _solve_unit_lower(strict: jax.Array, b: jax.Array) -> jax.Array:
+    """Solves ``(I + strict) x = b`` by forward substitution: ``strict[..., T, T]`` strictly lower.
+
+    Not ``jax.scipy.linalg.solve_triangular``: jaxlib's LAPACK trsm kernel splits its batch over
+    XLA's intra-op thread pool and blocks on it, which deadlocks with 8 CPU devices running at
+    once (every pool thread ends up waiting). The arithmetic is the same, row by row.
+    """
+
+    def row(i, x):  # x[i] = b[i] - sum_{s < i} strict[i, s] x[s]
+        return x.at[..., i, :].set(b[..., i, :] - jnp.einsum("...S,...SM->...M", strict[..., i, :], x))
+
+    return jax.lax.fori_loop(0, strict.shape[-1], row, jnp.zeros_like(b))
+
+
 def _chunk(state: jax.Array, x) -> tuple[jax.Array, jax.Array]:
     """One chunk of the delta rule in WY/UT form; ``state [B, N, H, V]`` in, out.
 
@@ -126,10 +140,9 @@ def _chunk(state: jax.Array, x) -> tuple[jax.Array, jax.Array]:
     qk = jnp.einsum('BTNH,BSNH,BTSNH->BNTS', q, k, decay) * causal
 
     # UT transform: (I + kk) [u, w] = [beta v, beta k exp(G)], unit lower triangular.
-    eye = jnp.eye(t, dtype=kk.dtype)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(G)], axis=-1)  # [B, T, N, V+H]
     rhs = jnp.swapaxes(rhs, 1, 2)  # [B, N, T, V+H]
-    sol = jax.scipy.linalg.solve_triangular(eye + kk, rhs, lower=True, unit_diagonal=True)
+    sol = _solve_unit_lower(kk, rhs)
     u, w = sol[..., : v.shape[-1]], sol[..., v.shape[-1] :]  # [B, N, T, V], [B, N, T, H]
 
     # Pseudo-values: what each token writes once the incoming state's prediction is removed.
