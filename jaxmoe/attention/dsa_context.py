@@ -42,11 +42,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from jaxmoe.sharding import RULES
+from jaxmoe.attention.context_parallel import CONTEXT, context_parallel_size, token_spec
 
-CONTEXT = "context"
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys: visible to no query
 
 
@@ -80,31 +78,6 @@ class DSABlocks:
 
 # --------------------------------------------------------------------------------------------
 # Mesh helpers
-
-
-def context_size() -> int:
-    """Size of the ``context`` axis of the mesh set with ``jax.set_mesh`` (1 without one, or inside
-    a ``shard_map`` that is already manual over it)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or CONTEXT not in mesh.axis_names:
-        return 1
-    if dict(zip(mesh.axis_names, mesh.axis_types))[CONTEXT] == jax.sharding.AxisType.Manual:
-        return 1
-    return mesh.shape[CONTEXT]
-
-
-def _batch_axes(batch: int):
-    """The ``batch`` rule's mesh axes that evenly split ``batch`` (a prefix), or None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = dict(RULES)["batch"]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    kept, prod = [], 1
-    for a in axes:
-        if a not in mesh.axis_names or batch % (prod * mesh.shape[a]):
-            break
-        kept.append(a)
-        prod *= mesh.shape[a]
-    return tuple(kept) or None
 
 
 def _varying(x, like):
@@ -444,7 +417,7 @@ def sparse_dsa(
         query that sees no key gets zeros. Gradients flow to ``q_cat`` and ``latents`` only.
     """
     idx_in = jax.lax.stop_gradient((q_index, w_index, k_index))
-    ring = context_size()
+    ring = context_parallel_size()
     kw = dict(topk=topk, scale=scale, latent_dim=latent_dim, blocks=blocks)
     if ring == 1:
         return _dsa_shard(idx_in[0], idx_in[1], q_cat, q_pos, idx_in[2], latents, k_pos, ring=1, **kw)
@@ -454,8 +427,7 @@ def sparse_dsa(
                 f"DSA context parallelism: {name} has sequence length {a.shape[1]}, which must be a multiple "
                 f"of the mesh's 'context' axis size {ring}"
             )
-    spec = lambda x: PartitionSpec(_batch_axes(x.shape[0]), CONTEXT, *([None] * (x.ndim - 2)))  # noqa: E731
     args = (idx_in[0], idx_in[1], q_cat, q_pos, idx_in[2], latents, k_pos)
     fn = functools.partial(_dsa_shard, ring=ring, **kw)
-    out_spec = PartitionSpec(_batch_axes(q_cat.shape[0]), CONTEXT, None, None)
-    return jax.shard_map(fn, in_specs=tuple(spec(a) for a in args), out_specs=out_spec)(*args)
+    in_specs = tuple(token_spec(a.shape[0], a.ndim) for a in args)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=token_spec(q_cat.shape[0], 4))(*args)
