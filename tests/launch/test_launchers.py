@@ -446,3 +446,14 @@ def test_gke_help(fake):
     assert r.returncode == 0
     for flag in ("--slices", "--accelerator", "--topology", "--image", "--workdir", "--config", "--name", "--dry-run"):
         assert flag in r.stdout
+
+
+def test_docs_show_the_real_dry_run_output(fake):
+    """docs/tpu.md quotes launch/tpu_vm.sh's dry run for the target config; it must stay exact."""
+    args = ["--name", "jaxmoe-target", "--zone", "us-east5-a", "--accelerator-type", "v5p-4096", "--queued"]
+    args += ["--reserved", "--workdir", "gs://BUCKET/jaxmoe/target", "--repo", "https://github.com/OWNER/jaxmoe.git"]
+    args += ["--branch", "main", "--config.mesh.data=1", "--config.mesh.fsdp=128", "--config.mesh.expert=16"]
+    r = fake.run(TPU_VM, *args, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    doc = (ROOT / "docs" / "tpu.md").read_text()
+    assert r.stdout in doc
