@@ -46,12 +46,42 @@ class DecoderLayer(nnx.Module):
             self.ffn = MoE(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        # Under nnx.capture(..., nnx.Intermediate) the layer also sows what the training losses
+        # need (jaxmoe.train.step): a DSA layer's attention input (the indexer KL loss) and an MoE
+        # layer's router scores and choices (the sequence-wise balance loss). Unused ones are
+        # dead code under jit; the router recomputation is the same expression the MoE evaluates.
+        capturing = hasattr(self, "__captures__")
         with jax.named_scope(f"attn_{self.kind}"):
-            x = x + self.attn(self.attn_norm(x), positions)
+            h = self.attn_norm(x)
+            if capturing and self.kind == "dsa":
+                self.sow(nnx.Intermediate, "attn_input", h)
+            x = x + self.attn(h, positions)
         x = constrain(x, ACTIVATION_AXES)
         with jax.named_scope("ffn"):
-            x = x + self.ffn(self.ffn_norm(x))
+            h = self.ffn_norm(x)
+            if capturing and isinstance(self.ffn, MoE):
+                B, T, D = h.shape
+                _, indices, scores = self.ffn.route(h.astype(self.ffn.dtype).reshape(B * T, D))
+                self.sow(nnx.Intermediate, "router", (scores.reshape(B, T, -1), indices.reshape(B, T, -1)))
+            x = x + self.ffn(h)
         return constrain(x, ACTIVATION_AXES)
+
+
+def _remat_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """``layer(x, positions)`` under ``jax.checkpoint``: activations recomputed in the backward pass.
+
+    The layer's state goes in and out explicitly, so values it sows (under ``nnx.capture``) survive.
+    """
+    graphdef, state = nnx.split(layer)
+
+    def call(state, x, positions):
+        layer = nnx.merge(graphdef, state)
+        y = layer(x, positions)
+        return y, nnx.state(layer, nnx.Intermediate)
+
+    y, state = jax.checkpoint(call)(state, x, positions)
+    nnx.update(layer, state)
+    return y
 
 
 class Transformer(nnx.Module):
@@ -66,19 +96,24 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), normal(cfg.init_std), pdt)
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """Final-norm hidden states ``[B, T, D]``."""
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
+        """Final-norm hidden states ``[B, T, D]``.
+
+        With ``remat`` each decoder layer is rematerialised (``jax.checkpoint``): its activations are
+        recomputed in the backward pass instead of kept, trading compute for memory.
+        """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(self.cfg.dtype))  # [B, T, D]
         x = constrain(x, ACTIVATION_AXES)
+        call = _remat_layer if remat else DecoderLayer.__call__
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x = layer(x, positions)
+                x = call(layer, x, positions)
         return self.final_norm(x)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        x = self.hidden(tokens, positions)
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
+        x = self.hidden(tokens, positions, remat=remat)
         if self.cfg.tie_embeddings:
             logits = dense("BTD,VD->BTV", x, self.embed)
         else:

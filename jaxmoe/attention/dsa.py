@@ -123,6 +123,8 @@ class DSA(MLA):
         super().__init__(cfg, rngs=rngs)
         self.indexer = Indexer(cfg, rngs=rngs)
         self.blocks = DSABlocks()  # block sizes of the streamed path; results do not depend on them
+        # True during the indexer's dense warm-up (jaxmoe.train): the layer attends densely, as MLA.
+        self.dense_attention = False
 
     def select(self, x: jax.Array, positions: jax.Array, q_latent: jax.Array | None = None):
         """Runs the indexer on detached inputs: ``(indices[B, T, K], valid[B, T, K])``."""
@@ -167,8 +169,11 @@ class DSA(MLA):
 
         Streamed selection and gathered attention (:func:`sparse_dsa`), context-parallel when the
         mesh set with ``jax.set_mesh`` has a ``context`` axis larger than 1 (T must then be a
-        multiple of it). Equal to :meth:`select` + :meth:`sparse_attention`.
+        multiple of it). Equal to :meth:`select` + :meth:`sparse_attention`. With
+        ``dense_attention`` set it is plain (dense causal) MLA and the indexer is not run.
         """
+        if self.dense_attention:
+            return super().__call__(x, positions)
         with jax.named_scope("dsa"):
             q_latent = self.query_latent(x)
             q_nope, q_rope = self.queries(x, positions, q_latent)
