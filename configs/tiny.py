@@ -1,15 +1,19 @@
 """Tiny hybrid model: every attention kind (mla, dsa, kda) and the MoE, runs in seconds on CPU.
 
     jaxmoe info --config configs/tiny.py
+    jaxmoe train --config configs/tiny.py:train --workdir /tmp/tiny [--config.steps=300]
 
-Mesh: data 2 x fsdp 2 x tensor 2 over XLA's 8 fake CPU devices.
+Mesh: data 2 x fsdp 2 x tensor 2 over XLA's 8 fake CPU devices; with the argument ``train``
+(``configs/tiny.py:train``) the local training mesh data 2 x expert 2 x context 2, experts
+dispatched dropless across the expert axis.
 """
 
 import ml_collections
 
 
 def get_config(arg=None):
-    del arg
+    if arg not in (None, "", "train"):
+        raise ValueError(f"configs/tiny.py takes no argument or 'train', got {arg!r}")
     c = ml_collections.ConfigDict()
     c.name = "tiny"
     c.model = dict(
@@ -46,4 +50,33 @@ def get_config(arg=None):
         ),
     )
     c.mesh = dict(data=2, fsdp=2, expert=1, context=1, tensor=2)
+    if arg == "train":
+        c.mesh = dict(data=2, fsdp=1, expert=2, context=2, tensor=1)
+        c.model.moe.dispatch = "dropless"
+
+    # Training (jaxmoe train): a few minutes on 2 CPU cores.
+    c.steps = 300
+    c.seed = 0
+    c.batch_size = 16
+    c.seq_len = 64
+    c.remat = False
+    c.log_every = 1
+    c.eval_every = 50
+    c.eval_batches = 4
+    c.checkpoint_every = 100
+    c.keep_checkpoints = 2
+    c.export_mxfp4 = True
+    c.optim = dict(
+        learning_rate=3e-3,
+        warmup_steps=20,
+        min_lr_ratio=0.1,
+        weight_decay=0.1,
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        grad_clip=1.0,
+    )
+    c.moe_balance = dict(bias_rate=1e-3, seq_aux_loss_weight=1e-4)
+    c.dsa = dict(warmup_steps=10, warmup_learning_rate=1e-3, indexer_loss_weight=1.0)
+    c.data = dict(max_bytes=2_000_000, heldout_fraction=0.02, cache_dir="")
     return c

@@ -1,4 +1,4 @@
-"""The ``jaxmoe`` command line: ``info``, ``convert hf|quantize|dequantize``, ``logits``.
+"""The ``jaxmoe`` command line: ``info``, ``convert hf|quantize|dequantize``, ``logits``, ``train``, ``generate``.
 
 Every subcommand has ``--help``. Bad arguments exit with status 2 and a message naming the
 argument; bad configs and checkpoints exit with status 1 and a message naming the field or tensor.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -77,6 +78,70 @@ def _cmd_logits(args) -> int:
     return 0
 
 
+# Environment variables set on Cloud TPU VMs (and by GKE's TPU / multislice set-up): their presence
+# means jax.distributed.initialize() can find its coordinator by itself.
+CLOUD_TPU_ENV = ("TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "TPU_WORKER_ID", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def _init_distributed(args, parser: argparse.ArgumentParser) -> None:
+    """``jax.distributed.initialize`` from the flags, or by itself on Cloud TPU (``--multihost auto``)."""
+    given = {
+        "--coordinator_address": args.coordinator_address,
+        "--num_processes": args.num_processes,
+        "--process_id": args.process_id,
+    }
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            parser.error(f"{', '.join(missing)} missing: multi-process runs need all of {', '.join(given)}")
+        if not 0 <= args.process_id < args.num_processes:
+            parser.error(f"--process_id must be in [0, --num_processes={args.num_processes}), got {args.process_id}")
+        import jax  # noqa: PLC0415
+
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    elif args.multihost == "auto" and any(k in os.environ for k in CLOUD_TPU_ENV):
+        import jax  # noqa: PLC0415
+
+        jax.distributed.initialize()
+
+
+def _cmd_train(args) -> int:
+    from jaxmoe.config import from_config_dict, load_config_dict  # noqa: PLC0415
+    from jaxmoe.train.overrides import apply_overrides  # noqa: PLC0415
+
+    cfg = from_config_dict(apply_overrides(load_config_dict(args.config), args.overrides))
+    _init_distributed(args, args.parser)
+    from jaxmoe.train.loop import summary_line, train  # noqa: PLC0415
+
+    summary = train(cfg, args.workdir, progress=not args.no_progress)
+    import jax  # noqa: PLC0415
+
+    if jax.process_index() == 0:
+        print(summary_line(summary), flush=True)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from jaxmoe.train.generate import generate  # noqa: PLC0415
+
+    if args.max_new_tokens < 1:
+        args.parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        args.parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    out = generate(
+        args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
+    )
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -112,13 +177,64 @@ def build_parser() -> argparse.ArgumentParser:
     logits.add_argument("--tokens", required=True, type=pathlib.Path, help="int32 .npy file [B, T]")
     logits.add_argument("--out", required=True, type=pathlib.Path, help="output .npy file")
     logits.set_defaults(fn=_cmd_logits)
+
+    train = sub.add_parser(
+        "train",
+        help="train a config (resumes from DIR/checkpoints); --config.KEY=VALUE overrides any config field",
+        epilog="Config overrides: --config.steps=200 --config.optim.learning_rate=1e-3 --config.mesh.context=2 "
+        "(typed by the field; tuples as Python literals). FILE:ARG passes ARG to get_config.",
+    )
+    train.add_argument("--config", required=True, help="ml_collections config file (FILE or FILE:ARG)")
+    train.add_argument("--workdir", required=True, type=pathlib.Path, help="run directory (checkpoints, metrics)")
+    train.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process runs)")
+    train.add_argument("--num_processes", type=int, default=None, help="number of processes (multi-process runs)")
+    train.add_argument("--process_id", type=int, default=None, help="this process's index (multi-process runs)")
+    train.add_argument(
+        "--multihost",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (default): on Cloud TPU, call jax.distributed.initialize() by itself; off: never (unless the "
+        "three flags above are given)",
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    train.set_defaults(fn=_cmd_train)
+
+    gen = sub.add_parser("generate", help="sample text from a trained workdir or checkpoint")
+    gen.add_argument(
+        "--checkpoint",
+        required=True,
+        type=pathlib.Path,
+        help="training workdir, its checkpoints/ root, or a model checkpoint (e.g. DIR/export_mxfp4)",
+    )
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 (default): greedy")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--json", action="store_true", help="print JSON (prompt, completion, token ids) instead of text")
+    gen.set_defaults(fn=_cmd_generate)
+    for sp in (train, gen):
+        sp.set_defaults(parser=sp)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from jaxmoe.train.overrides import OverrideError, split_overrides  # noqa: PLC0415
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        overrides, argv = split_overrides(argv)
+    except OverrideError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
+    if overrides and args.command != "train":
+        parser.error(f"--config.KEY=VALUE flags belong to train, not {args.command}: {overrides[0][0]}")
+    args.overrides = overrides
     try:
         return args.fn(args)
+    except OverrideError as e:
+        print(f"jaxmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as e:
         print(f"jaxmoe {args.command}: error: {e}", file=sys.stderr)
         return 1

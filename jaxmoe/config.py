@@ -140,10 +140,77 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay, and global-norm gradient clipping."""
+
+    learning_rate: float = 3e-3  # peak
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # the cosine ends at learning_rate * min_lr_ratio on the last step
+    weight_decay: float = 0.1  # decoupled; matrices only (not norms, not the router bias)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEBalanceConfig:
+    """DeepSeek-V3 load balancing: the aux-loss-free bias update and the sequence-wise aux loss."""
+
+    bias_rate: float = 1e-3  # gamma: router_bias += bias_rate * sign(mean load - load) after each step
+    seq_aux_loss_weight: float = 0.0  # alpha of the sequence-wise balance loss (DeepSeek-V3: 1e-4)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSATrainConfig:
+    """DeepSeek-V3.2 indexer training: a dense warm-up, then the sparse stage."""
+
+    warmup_steps: int = 0  # first steps: dense attention, only the indexer trains (KL loss)
+    warmup_learning_rate: float = 1e-3  # the indexer's (constant) rate during the warm-up
+    indexer_loss_weight: float = 1.0  # sparse stage: LM loss + this x indexer KL (indexer input detached)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The corpus (Python standard library sources) and its tokenized cache (jaxmoe.data)."""
+
+    max_bytes: int = 4_000_000  # corpus text taken
+    heldout_fraction: float = 0.02  # documents held out for the held-out loss
+    cache_dir: str = ""  # "" : <workdir>/data_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training job (``jaxmoe train``). In config files these keys sit at the top level."""
+
+    steps: int = 100
+    seed: int = 0  # parameter init and data order
+    batch_size: int = 8  # global, in sequences
+    seq_len: int = 128
+    remat: bool = False  # recompute each decoder layer's activations in the backward pass
+    log_every: int = 1
+    eval_every: int = 50  # held-out loss every N steps and at the end; 0: only at the end
+    eval_batches: int = 4
+    checkpoint_every: int = 50  # 0: only at the end
+    keep_checkpoints: int = 3
+    export_mxfp4: bool = True  # at the end: an MXFP4 model checkpoint of the final params
+    peak_flops: float = 0.0  # per device, for mfu; 0: measured at start (jitted f32 matmul)
+    optim: OptimConfig = OptimConfig()
+    moe_balance: MoEBalanceConfig = MoEBalanceConfig()
+    dsa: DSATrainConfig = DSATrainConfig()
+    data: DataConfig = DataConfig()
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     name: str = "unnamed"
+    train: TrainConfig = TrainConfig()
+
+
+SECTIONS = ("model", "mesh", "name")  # top-level keys that are not training keys
+TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,11 +262,29 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
     return cls(**kwargs)
 
 
+def _train_values(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The training keys: top-level in config files, or a ``train`` section (``dataclasses.asdict``)."""
+    top = {k: v for k, v in d.items() if k not in (*SECTIONS, "train")}
+    unknown = sorted(set(top) - set(TRAIN_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"unknown config field {unknown[0]}; allowed top-level fields: {sorted((*SECTIONS, *TRAIN_KEYS))}"
+        )
+    nested = d.get("train", {})
+    if not isinstance(nested, Mapping):
+        raise ConfigError(f"config field train must be a mapping of training fields, got {nested!r}")
+    both = sorted(set(top) & set(nested))
+    if both:
+        raise ConfigError(f"config field {both[0]} is given both at the top level and in train; give it once")
+    return {**nested, **top}
+
+
 def from_config_dict(cd: Any) -> Config:
     """Turns a ConfigDict (or plain nested dict) into a validated :class:`Config`.
 
-    Keys other than ``model``, ``mesh`` and ``name`` (for example training options that later
-    issues read) are left to their own readers.
+    ``model``, ``mesh`` and ``name`` are sections; every other top-level key is a training field
+    (:class:`TrainConfig`), e.g. ``steps`` or ``optim.learning_rate``. The nested form that
+    ``dataclasses.asdict(Config)`` writes (``train={...}``) is read too, so stored configs round-trip.
     """
     d = _to_plain(cd)
     if not isinstance(d, Mapping) or "model" not in d:
@@ -208,6 +293,7 @@ def from_config_dict(cd: Any) -> Config:
         model=_build(ModelConfig, d["model"], "model."),
         mesh=_build(MeshConfig, d.get("mesh", {}), "mesh."),
         name=str(d.get("name", "unnamed")),
+        train=_build(TrainConfig, _train_values(d), ""),
     )
     validate(cfg)
     return cfg
@@ -219,6 +305,9 @@ def load_config(path: str | pathlib.Path, arg: str | None = None) -> Config:
 
 
 def load_config_dict(path: str | pathlib.Path, arg: str | None = None):
+    """``get_config(arg)`` of a config file; ``FILE:ARG`` (ml_collections style) passes ARG too."""
+    if arg is None and not pathlib.Path(path).is_file() and ":" in str(path):
+        path, arg = str(path).rsplit(":", 1)
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -345,6 +434,7 @@ def validate(cfg: Config) -> None:
     )
     _validate_mxfp4(cfg)
     _validate_divisibility(cfg)
+    _validate_train(cfg)
 
 
 def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -418,3 +508,90 @@ def _validate_divisibility(cfg: Config) -> None:
                 f"{value} is not divisible by the mesh axes {'x'.join(f'mesh.{a}' for a in axes)}={size} "
                 f"that shard the '{logical}' dimension",
             )
+
+
+def _validate_train(cfg: Config) -> None:
+    """Ranges of the training fields (mesh-dependent checks: :func:`validate_training`)."""
+    t, o = cfg.train, cfg.train.optim
+    for f in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "keep_checkpoints"):
+        _positive(getattr(t, f), f)
+    for f in ("eval_every", "checkpoint_every"):
+        _require(getattr(t, f) >= 0, f, f"must be >= 0 (0: only at the end), got {getattr(t, f)}")
+    _require(
+        t.seq_len <= cfg.model.max_context,
+        "seq_len",
+        f"{t.seq_len} is longer than model.max_context={cfg.model.max_context}",
+    )
+    _require(t.peak_flops >= 0, "peak_flops", f"must be >= 0 (0: measure), got {t.peak_flops}")
+    _require(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    for f in ("b1", "b2"):
+        _require(0 <= getattr(o, f) < 1, f"optim.{f}", f"must be in [0, 1), got {getattr(o, f)}")
+    _require(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _require(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0: no clipping), got {o.grad_clip}")
+    b = t.moe_balance
+    _require(b.bias_rate >= 0, "moe_balance.bias_rate", f"must be >= 0, got {b.bias_rate}")
+    _require(
+        b.seq_aux_loss_weight >= 0, "moe_balance.seq_aux_loss_weight", f"must be >= 0, got {b.seq_aux_loss_weight}"
+    )
+    d = t.dsa
+    _require(d.warmup_steps >= 0, "dsa.warmup_steps", f"must be >= 0, got {d.warmup_steps}")
+    _require(d.warmup_learning_rate > 0, "dsa.warmup_learning_rate", f"must be > 0, got {d.warmup_learning_rate}")
+    _require(d.indexer_loss_weight >= 0, "dsa.indexer_loss_weight", f"must be >= 0, got {d.indexer_loss_weight}")
+    _positive(t.data.max_bytes, "data.max_bytes")
+    _require(
+        0 < t.data.heldout_fraction < 1, "data.heldout_fraction", f"must be in (0, 1), got {t.data.heldout_fraction}"
+    )
+
+
+TOKENIZER_MIN_VOCAB = 257  # jaxmoe.data's byte-level BPE: 256 bytes + eos, then one id per merge
+
+
+def validate_training(cfg: Config) -> None:
+    """What ``jaxmoe train`` needs beyond :func:`validate`: shapes that fit the mesh, the tokenizer.
+
+    Raises:
+        ConfigError: naming the field and what is allowed.
+    """
+    t, m, mesh = cfg.train, cfg.model, cfg.mesh
+    batch_shards = mesh.data * mesh.fsdp * mesh.expert
+    _require(
+        t.batch_size % batch_shards == 0,
+        "batch_size",
+        f"{t.batch_size} is not divisible by mesh.data x mesh.fsdp x mesh.expert = {batch_shards} "
+        "(the axes that split the batch)",
+    )
+    kinds = set(m.layer_kinds)
+    if mesh.context > 1:
+        multiple = 2 * mesh.context if kinds & {"mla", "dsa"} else mesh.context
+        why = "zig-zag ring attention of mla/dsa layers" if kinds & {"mla", "dsa"} else "one block per shard"
+        _require(
+            t.seq_len % multiple == 0,
+            "seq_len",
+            f"{t.seq_len} is not divisible by {multiple} = {multiple // mesh.context} x mesh.context ({why})",
+        )
+        if "kda" in kinds:
+            _require(
+                t.seq_len // mesh.context >= m.kda.conv_kernel - 1,
+                "seq_len",
+                f"{t.seq_len} gives {t.seq_len // mesh.context} tokens per context shard; kda layers need at "
+                f"least model.kda.conv_kernel - 1 = {m.kda.conv_kernel - 1}",
+            )
+    _require(
+        m.vocab_size >= TOKENIZER_MIN_VOCAB,
+        "model.vocab_size",
+        f"{m.vocab_size} is below the tokenizer's minimum {TOKENIZER_MIN_VOCAB} (256 bytes + eos)",
+    )
+    _require(
+        not m.mxfp4_weights,
+        "model.mxfp4_weights",
+        f"training keeps float weights, got {m.mxfp4_weights}; set export_mxfp4 for an MXFP4 copy at the end",
+    )
+    if t.dsa.warmup_steps:
+        _require(
+            "dsa" in kinds,
+            "dsa.warmup_steps",
+            f"is {t.dsa.warmup_steps} but model.layer_kinds {m.layer_kinds} has no dsa layer",
+        )

@@ -1,0 +1,355 @@
+"""The train step: losses, gradients, optimizer update and the MoE bias update, jit-compiled over the mesh.
+
+State (:class:`TrainState`): the model's fp32 master parameters (``nnx.Param``; compute runs in
+``model.dtype``, so ``dtype="bfloat16", param_dtype="float32"`` is bf16 compute with fp32 master
+weights), the MoE router biases (``RouterBias``, not trained by the optimizer), the model
+optimizer's state and, when the DSA dense warm-up is configured, the indexer optimizer's state.
+All are pure dicts (``nnx.to_pure_dict`` layout), sharded by the rules of :mod:`jaxmoe.sharding`.
+
+Two stages (DeepSeek-V3.2, section 2.1.1):
+
+- ``warmup`` (the first ``dsa.warmup_steps`` steps): DSA layers attend densely (MLA); the loss is
+  the sum over DSA layers of the indexer KL to the dense attention; only the indexer parameters
+  are differentiated and updated, by their own optimizer; everything else, the router bias
+  included, stays bitwise unchanged.
+- ``main``: sparse DSA; all parameters train on ``LM + seq_aux_loss_weight * seq_aux +
+  indexer_loss_weight * sum KL``. The KL's inputs are detached, so it trains only the indexer and
+  the LM loss trains everything else. After the optimizer update each MoE layer's router bias
+  moves by ``bias_rate * sign(mean load - load_e)`` from the step's own per-expert load.
+
+Shape letters: B batch, T sequence, V vocab, E experts, K experts per token, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmoe.attention.dsa import DSA
+from jaxmoe.config import Config
+from jaxmoe.model import abstract_model, create_model
+from jaxmoe.moe.router import RouterBias
+from jaxmoe.sharding import logical_to_spec, state_shardings
+from jaxmoe.train.dsa_loss import indexer_kl_loss
+from jaxmoe.train.optim import indexer_warmup_optimizer, learning_rate, model_optimizer
+
+STAGES = ("warmup", "main")
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes (a pytree of pure dicts)."""
+
+    params: dict  # nnx.Param values, master dtype
+    router_bias: dict  # RouterBias values ({} without MoE layers)
+    opt_state: Any  # the model optimizer's state over params
+    indexer_opt_state: Any  # the warm-up optimizer's state over the indexer params (None: no warm-up)
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-dict helpers
+
+
+def _is_indexer(path: tuple) -> bool:
+    return "indexer" in path
+
+
+def select(tree: dict, pred: Callable[[tuple], bool], path: tuple = ()) -> dict:
+    """The sub-dict of ``tree`` whose leaf paths satisfy ``pred`` (empty branches dropped)."""
+    out = {}
+    for k, v in tree.items():
+        p = (*path, k)
+        if isinstance(v, dict):
+            sub = select(v, pred, p)
+            if sub:
+                out[k] = sub
+        elif pred(p):
+            out[k] = v
+    return out
+
+
+def merge_into(tree: dict, sub: dict) -> dict:
+    """``tree`` with the leaves present in ``sub`` replaced."""
+    out = dict(tree)
+    for k, v in sub.items():
+        out[k] = merge_into(tree[k], v) if isinstance(v, dict) else v
+    return out
+
+
+def deep_merge(a: dict, b: dict) -> dict:
+    """Union of two dicts with disjoint leaves (e.g. params and router biases -> the model state)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if k in out and isinstance(v, dict) else v
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of ``logits[B, T, V]`` (fp32) against ``targets[B, T]``."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return jnp.mean(lse - target_logit)
+
+
+def sequence_balance_loss(scores: jax.Array, indices: jax.Array, num_experts: int) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss of one MoE layer (eqs. 17-20), before its weight.
+
+    ``L = mean_b sum_e f[b, e] P[b, e]`` with ``f = E / (K T) * #{t : e in top-k(t)}`` (no
+    gradient) and ``P = mean_t s'[b, t, e]``, ``s'`` the sigmoid scores normalised over experts.
+
+    Args:
+        scores: ``[B, T, E]`` fp32 unbiased sigmoid router scores.
+        indices: ``[B, T, K]`` int32 chosen experts.
+        num_experts: E.
+    """
+    T, K = indices.shape[1], indices.shape[2]
+    chosen = jnp.sum(jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), axis=2)  # [B, T, E]
+    f = jax.lax.stop_gradient(jnp.sum(chosen, axis=1) * (num_experts / (K * T)))  # [B, E]
+    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)  # [B, E]
+    return jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+def update_router_bias(router_bias: dict, loads: dict[int, jax.Array], rate: float) -> dict:
+    """``bias_e += rate * sign(mean load - load_e)`` for every MoE layer (loads ``[E]`` per layer)."""
+    out = router_bias
+    for i, load in loads.items():
+        bias = router_bias["layers"][i]["ffn"]["router_bias"]
+        load = load.astype(jnp.float32)
+        new = bias + rate * jnp.sign(jnp.mean(load) - load)
+        out = merge_into(out, {"layers": {i: {"ffn": {"router_bias": new.astype(bias.dtype)}}}})
+    return out
+
+
+class Forward(NamedTuple):
+    lm_loss: jax.Array  # [] fp32
+    indexer_kl: jax.Array  # [] fp32, summed over DSA layers (0 without)
+    seq_aux: jax.Array  # [] fp32, summed over MoE layers (0 without)
+    expert_load: dict  # layer index -> [E] int32
+    drop_fraction: dict  # layer index -> [] fp32
+
+
+def set_dense_dsa(model: nnx.Module, dense: bool) -> None:
+    """Switches every DSA layer of ``model`` to dense (warm-up) or sparse attention."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, DSA):
+            module.dense_attention = dense
+
+
+def forward(
+    graphdef,
+    params: dict,
+    router_bias: dict,
+    inputs: jax.Array,
+    targets: jax.Array,
+    *,
+    cfg: Config,
+    stage: str,
+    remat: bool = False,
+) -> Forward:
+    """The model on ``inputs[B, T]`` and every loss term and routing statistic of the step."""
+    model = nnx.merge(graphdef, params, router_bias)
+    set_dense_dsa(model, stage == "warmup")
+    logits, inter = nnx.capture(lambda m, x: m(x, remat=remat), nnx.Intermediate)(model, inputs)
+    lm_loss = cross_entropy(logits, targets)
+    layers = nnx.to_pure_dict(inter).get("layers", {})
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    zero = jnp.zeros((), jnp.float32)
+    indexer_kl, seq_aux, loads, drops = zero, zero, {}, {}
+    for i, layer in enumerate(model.layers):
+        sown = layers.get(i, {})
+        if "attn_input" in sown:
+            indexer_kl += indexer_kl_loss(layer.attn, sown["attn_input"][0], positions, sparse=stage == "main")
+        if "router" in sown:
+            scores, indices = sown["router"][0]
+            seq_aux += sequence_balance_loss(scores, indices, cfg.model.moe.num_experts)
+            stats = sown["ffn"]["moe_stats"][0]
+            loads[i], drops[i] = stats.expert_load, stats.drop_fraction
+    return Forward(lm_loss, indexer_kl, seq_aux, loads, drops)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer: state layout, shardings, jitted steps
+
+
+class Trainer:
+    """Builds the train state and the jit-compiled steps of ``cfg`` on ``mesh``.
+
+    Args:
+        cfg: the validated config (``cfg.train`` holds the training fields).
+        mesh: the device mesh; calls must run under ``jax.set_mesh(mesh)``.
+    """
+
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        t = cfg.train
+        self.warmup_steps = min(t.dsa.warmup_steps, t.steps) if "dsa" in cfg.model.layer_kinds else 0
+        self.main_steps = t.steps - self.warmup_steps
+        graphdef, params, bias = nnx.split(abstract_model(cfg.model), nnx.Param, RouterBias)
+        self.graphdef = graphdef
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "seq")))
+        param_shardings = nnx.to_pure_dict(state_shardings(params, mesh))
+        bias_shardings = nnx.to_pure_dict(state_shardings(bias, mesh))
+        abstract_params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nnx.to_pure_dict(params), param_shardings
+        )
+        self.tx = model_optimizer(t.optim, max(self.main_steps, 1))
+        opt_shardings = self._opt_shardings(self.tx, abstract_params, param_shardings)
+        self.indexer_tx, indexer_shardings = None, None
+        if self.warmup_steps:
+            self.indexer_tx = indexer_warmup_optimizer(t.optim, t.dsa.warmup_learning_rate)
+            indexer_shardings = self._opt_shardings(
+                self.indexer_tx, select(abstract_params, _is_indexer), select(param_shardings, _is_indexer)
+            )
+        self.state_shardings = TrainState(param_shardings, bias_shardings, opt_shardings, indexer_shardings)
+        self._abstract_params, self._abstract_bias = abstract_params, bias
+        self._steps: dict[str, Callable] = {}
+        self._evals: dict[str, Callable] = {}
+
+    def _opt_shardings(self, tx, abstract_params, param_shardings):
+        abstract_opt = jax.eval_shape(tx.init, abstract_params)
+        return optax.tree_utils.tree_map_params(
+            tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: self.replicated
+        )
+
+    # --- state ---------------------------------------------------------------------------------
+    def init_state(self, seed: int) -> TrainState:
+        """Fresh parameters (``create_model(seed)``, sharded at creation) and optimizer states."""
+        model = create_model(self.cfg.model, seed=seed, mesh=self.mesh)
+        _, params, bias = nnx.split(model, nnx.Param, RouterBias)
+        params, bias = nnx.to_pure_dict(params), nnx.to_pure_dict(bias)
+        opt = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        indexer_opt = None
+        if self.indexer_tx is not None:
+            indexer_opt = jax.jit(self.indexer_tx.init, out_shardings=self.state_shardings.indexer_opt_state)(
+                select(params, _is_indexer)
+            )
+        return TrainState(params, bias, opt, indexer_opt)
+
+    def abstract_state(self) -> TrainState:
+        """``ShapeDtypeStruct``s with shardings of the state: the restore target."""
+        params = self._abstract_params
+        bias = nnx.to_pure_dict(self._abstract_bias)
+        indexer_opt = None
+        if self.indexer_tx is not None:
+            indexer_opt = jax.eval_shape(self.indexer_tx.init, select(params, _is_indexer))
+        shapes = TrainState(params, bias, jax.eval_shape(self.tx.init, params), indexer_opt)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings
+        )
+
+    def stage(self, step: int) -> str:
+        """The stage of the step that follows ``step`` completed steps."""
+        return "warmup" if step < self.warmup_steps else "main"
+
+    def learning_rate(self, step: int) -> float:
+        """The rate the update after ``step`` completed steps uses."""
+        if step < self.warmup_steps:
+            return float(self.cfg.train.dsa.warmup_learning_rate)
+        return float(learning_rate(self.cfg.train.optim, max(self.main_steps, 1))(step - self.warmup_steps))
+
+    def batch(self, tokens) -> tuple[jax.Array, jax.Array]:
+        """A host batch ``[B, T + 1]`` (the same on every process) -> global ``inputs, targets [B, T]``."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        make = lambda a: jax.make_array_from_callback(a.shape, self.batch_sharding, lambda idx: a[idx])
+        return make(inputs), make(targets)
+
+    # --- steps ---------------------------------------------------------------------------------
+    def step_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
+        """The jitted ``(state, inputs, targets) -> (state, metrics)`` of ``stage`` (the state is donated)."""
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        if stage not in self._steps:
+            fn = self._warmup_step if stage == "warmup" else self._main_step
+            self._steps[stage] = jax.jit(
+                fn,
+                in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+                out_shardings=(self.state_shardings, self.replicated),
+                donate_argnums=0,
+            )
+        return self._steps[stage]
+
+    def _forward(self, params, router_bias, inputs, targets, stage):
+        return forward(
+            self.graphdef,
+            params,
+            router_bias,
+            inputs,
+            targets,
+            cfg=self.cfg,
+            stage=stage,
+            remat=self.cfg.train.remat,
+        )
+
+    @staticmethod
+    def _metrics(out: Forward, total: jax.Array, grad_norm: jax.Array) -> dict:
+        return {
+            "loss": out.lm_loss,
+            "total_loss": total,
+            "indexer_kl": out.indexer_kl,
+            "seq_aux_loss": out.seq_aux,
+            "grad_norm": grad_norm,
+            "expert_load": out.expert_load,
+            "drop_fraction": out.drop_fraction,
+        }
+
+    def _warmup_step(self, state: TrainState, inputs, targets):
+        indexer_params = select(state.params, _is_indexer)
+
+        def loss_fn(indexer_params):
+            params = merge_into(state.params, indexer_params)
+            out = self._forward(params, state.router_bias, inputs, targets, "warmup")
+            return out.indexer_kl, out
+
+        (total, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(indexer_params)
+        updates, indexer_opt = self.indexer_tx.update(grads, state.indexer_opt_state, indexer_params)
+        params = merge_into(state.params, optax.apply_updates(indexer_params, updates))
+        new = TrainState(params, state.router_bias, state.opt_state, indexer_opt)
+        return new, self._metrics(out, total, optax.global_norm(grads))
+
+    def _main_step(self, state: TrainState, inputs, targets):
+        t = self.cfg.train
+
+        def loss_fn(params):
+            out = self._forward(params, state.router_bias, inputs, targets, "main")
+            total = out.lm_loss
+            if t.moe_balance.seq_aux_loss_weight:
+                total = total + t.moe_balance.seq_aux_loss_weight * out.seq_aux
+            if t.dsa.indexer_loss_weight:
+                total = total + t.dsa.indexer_loss_weight * out.indexer_kl
+            return total, out
+
+        (total, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        bias = state.router_bias
+        if t.moe_balance.bias_rate:
+            bias = update_router_bias(bias, out.expert_load, t.moe_balance.bias_rate)
+        new = TrainState(params, bias, opt, state.indexer_opt_state)
+        return new, self._metrics(out, total, optax.global_norm(grads))
+
+    def eval_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], jax.Array]:
+        """The jitted held-out LM loss ``(state, inputs, targets) -> []`` with ``stage``'s attention."""
+        if stage not in self._evals:
+
+            def loss(state: TrainState, inputs, targets):
+                model = nnx.merge(self.graphdef, state.params, state.router_bias)
+                set_dense_dsa(model, stage == "warmup")
+                return cross_entropy(model(inputs), targets)
+
+            self._evals[stage] = jax.jit(
+                loss,
+                in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+                out_shardings=self.replicated,
+            )
+        return self._evals[stage]
