@@ -11,7 +11,7 @@ memory, compilation included. ``--sweep`` runs each length in its own process (s
 its own), fits ``seconds ~ tokens^exponent``, and times HF transformers' ``deepseek_v32`` with
 the same dims (all layers ``dsa``; HF has no ``kda``) at the longest length it fits, against
 this model at that length. ``--memory`` compiles the prefill for context axis sizes 1, 2, 4, 8
-and reports XLA's per-device memory analysis.
+(each on a mesh of exactly P devices) and reports XLA's per-device memory analysis.
 """
 
 import os
@@ -101,7 +101,7 @@ def run_jaxmoe(n: int) -> dict:
 
 
 def run_memory(n: int) -> dict:
-    """Per-device memory (XLA's compiled memory analysis) of the prefill for context sizes 1..8."""
+    """Per-device memory (XLA compiled memory analysis) of the prefill on P = 1, 2, 4, 8 devices, all on context."""
     import jax  # noqa: PLC0415
 
     from jaxmoe.config import load_config  # noqa: PLC0415
@@ -110,8 +110,10 @@ def run_memory(n: int) -> dict:
     cfg = load_config(CONFIG)
     temp, args = {}, {}
     for p in (1, 2, 4, 8):
-        mesh_cfg = dataclasses.replace(cfg.mesh, context=p, data=8 // p)  # spare devices on data (batch 1: replicated)
-        mesh = make_mesh(mesh_cfg)
+        # Exactly P devices, all on `context`: spare devices would hold copies of the batch-1
+        # sequence (or split only the token-local MoE), which measures something else.
+        mesh_cfg = dataclasses.replace(cfg.mesh, data=1, fsdp=1, expert=1, context=p, tensor=1)
+        mesh = make_mesh(mesh_cfg, devices=jax.devices()[:p])
         with jax.set_mesh(mesh):
             prefill, state = _prefill(cfg, mesh)
             tokens = jax.ShapeDtypeStruct((1, n), np.int32, sharding=_tokens(1 * p, mesh).sharding)

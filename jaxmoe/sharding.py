@@ -10,9 +10,12 @@ Sharding in prose: ``x[B_data, T_context, D]`` means batch over ``data``, sequen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -100,6 +103,60 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def token_axes(rules=RULES) -> tuple[str, ...]:
+    """The mesh axes that split a flattened token dimension ``N = B*T``, major first.
+
+    ``x[B, T, D].reshape(B * T, D)`` keeps each device's rows together when B is split over the
+    ``batch`` rule's axes and T over the ``seq`` rule's: ``x_flat[N_(batch axes, seq axes), D]``.
+    """
+    table = dict(rules)
+    axes = []
+    for name in ("batch", "seq"):
+        a = table[name]
+        axes += [] if a is None else [a] if isinstance(a, str) else list(a)
+    return tuple(dict.fromkeys(axes))
+
+
+def token_parallel(fn: Callable[..., Any], token_args: Sequence[jax.Array], shared_args: Sequence[Any] = ()) -> Any:
+    """``fn(*token_args, *shared_args)`` run separately on each device's share of the tokens.
+
+    For work that is independent per token but that GSPMD does not split along the token
+    dimension: XLA all-gathers the operand of ``top_k`` (and of a sort or a gather along the
+    tokens), so a router under plain ``jit`` on a mesh builds its ``[N, E]`` arrays whole on
+    every device, whatever the ``context`` or ``data`` split. Inside ``jax.shard_map`` each
+    device sees only its ``N / P`` tokens (P = product of the :func:`token_axes` in the mesh).
+
+    Args:
+      fn: maps token arrays (leading dim ``n``) and the shared arguments to a pytree of arrays
+        with leading dim ``n``, row ``i`` depending only on row ``i`` of the token arrays.
+      token_args: arrays ``[N, ...]``; split over the token axes (zero rows pad N to a multiple
+        of P and are cut from the outputs).
+      shared_args: pytrees of arrays every device sees whole (gathered if sharded).
+
+    Returns:
+      ``fn``'s outputs, leading dim N split over the token axes; ``fn(*token_args, *shared_args)``
+      itself when no mesh is set or no token axis of the mesh has size > 1.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    types = dict(zip(mesh.axis_names, mesh.axis_types)) if not mesh.empty else {}
+    auto = {a for a, t in types.items() if t != manual}  # inside another shard_map: the axes left
+    axes = tuple(a for a in token_axes() if a in auto and mesh.shape[a] > 1)
+    if not axes:
+        return fn(*token_args, *shared_args)
+    N = token_args[0].shape[0]
+    pad = -N % math.prod(mesh.shape[a] for a in axes)
+    padded = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a for a in token_args]
+    tok = PartitionSpec(axes)
+    out = jax.shard_map(
+        fn,
+        in_specs=(*(tok,) * len(padded), *(PartitionSpec(),) * len(shared_args)),
+        out_specs=tok,
+        axis_names=auto,
+    )(*padded, *shared_args)
+    return jax.tree.map(lambda y: y[:N], out) if pad else out
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -21,6 +21,10 @@ them. Tokens are replicated over ``tensor``; the expert weights, most of a 2.8T 
 
 Paths (``model.moe.dispatch``):
 
+- ``"dense"``: no expert parallelism. Every device holds all experts (gathered over ``expert``
+  and ``fsdp`` at entry) and runs ``"dropless"``'s local steps on its own tokens only, so the
+  tokens, split over every token axis including ``context``, never move. (Left to GSPMD, the
+  sort by expert would gather all ``N`` tokens onto every device.)
 - ``"dropless"``: ``all_gather`` the expert group's tokens, sort the assignments that hit local
   experts, grouped matmul (:func:`jaxmoe.moe.grouped.grouped_matmul`), weight, and
   ``psum_scatter`` the sums back to the token owners. Exact; each device sorts ``P * A`` rows.
@@ -79,7 +83,7 @@ class MoEStats(NamedTuple):
 class _Axes(NamedTuple):
     """Mesh axis names inside the region."""
 
-    expert: str
+    expert: str | None  # the axis that splits the experts; None: every device holds all (dense)
     tokens: tuple[str, ...]  # the axes that split tokens (expert among them)
     ffw: str | None  # the axis that splits the expert ffw dim, or None
 
@@ -139,11 +143,14 @@ def _excl_cumsum(a: jax.Array, axis: int) -> jax.Array:
 def _dropless_local(ax: _Axes, x, weights, indices, w_gate, w_up, w_down, *, num_experts: int):
     n, K = indices.shape
     L = w_gate.shape[0]
-    p = jax.lax.axis_index(ax.expert)
-    with jax.named_scope("ep_all_gather"):
-        x_all = jax.lax.all_gather(x, ax.expert, tiled=True)  # [P*n, D]
-        weights_all = jax.lax.all_gather(weights, ax.expert, tiled=True)  # [P*n, K]
-        indices_all = jax.lax.all_gather(indices, ax.expert, tiled=True)  # [P*n, K]
+    if ax.expert is None:  # "dense": this device holds every expert, its own tokens are all it runs
+        p, x_all, weights_all, indices_all = 0, x, weights, indices
+    else:
+        p = jax.lax.axis_index(ax.expert)
+        with jax.named_scope("ep_all_gather"):
+            x_all = jax.lax.all_gather(x, ax.expert, tiled=True)  # [P*n, D]
+            weights_all = jax.lax.all_gather(weights, ax.expert, tiled=True)  # [P*n, K]
+            indices_all = jax.lax.all_gather(indices, ax.expert, tiled=True)  # [P*n, K]
     with jax.named_scope("expert_sort"):
         local = indices_all - p * L  # [P*n, K]; padding (id E) lands >= L on every shard
         mine = (local >= 0) & (local < L)
@@ -154,8 +161,11 @@ def _dropless_local(ax: _Axes, x, weights, indices, w_gate, w_up, w_down, *, num
     out_sorted = _local_ffw(x_sorted, group_sizes, w_gate, w_up, w_down)  # [P*A, D]
     out = out_sorted[jnp.argsort(order)].reshape(x_all.shape[0], K, -1)  # [P*n, K, D]
     y_all = _combine(out, weights_all, mine)  # [P*n, D]: this shard's experts' share of every token
-    with jax.named_scope("ep_reduce_scatter"):
-        y = jax.lax.psum_scatter(y_all, ax.expert, scatter_dimension=0, tiled=True)  # [n, D]
+    if ax.expert is None:
+        y = y_all
+    else:
+        with jax.named_scope("ep_reduce_scatter"):
+            y = jax.lax.psum_scatter(y_all, ax.expert, scatter_dimension=0, tiled=True)  # [n, D]
     return _finish(ax, y, x.dtype, jnp.zeros((), jnp.int32), indices, num_experts)
 
 
@@ -324,8 +334,11 @@ def _flat(axes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _region_axes() -> tuple[jax.sharding.AbstractMesh | jax.sharding.Mesh, _Axes]:
-    """The mesh to run on (a one-device mesh when none is set) and the axis roles from ``RULES``."""
+def _region_axes(split_experts: bool = True) -> tuple[jax.sharding.AbstractMesh | jax.sharding.Mesh, _Axes]:
+    """The mesh to run on (a one-device mesh when none is set) and the axis roles from ``RULES``.
+
+    ``split_experts=False`` (the ``"dense"`` dispatch): experts are not split, ``_Axes.expert`` is None.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -345,7 +358,7 @@ def _region_axes() -> tuple[jax.sharding.AbstractMesh | jax.sharding.Mesh, _Axes
     ffw = _flat(rules["expert_ffw"])
     if len(ffw) > 1 or set(ffw) & set(tokens):
         raise ValueError(f"RULES['expert_ffw']={rules['expert_ffw']!r} must be one axis that does not split tokens")
-    return mesh, _Axes("expert", tuple(dict.fromkeys(tokens)), ffw[0] if ffw else None)
+    return mesh, _Axes("expert" if split_experts else None, tuple(dict.fromkeys(tokens)), ffw[0] if ffw else None)
 
 
 def _weight_in(w, spec: tuple, dtype):
@@ -370,12 +383,12 @@ def _weight_in(w, spec: tuple, dtype):
     return w.astype(dtype), PartitionSpec(*spec), lambda v: v
 
 
-def _expert_parallel(local_fn, x_flat, weights, indices, w_gate, w_up, w_down, moe: MoEConfig):
+def _expert_parallel(local_fn, x_flat, weights, indices, w_gate, w_up, w_down, moe: MoEConfig, split_experts=True):
     """Pads the tokens, runs ``local_fn`` on every shard, unpads; returns ``(y [N, D], MoEStats)``."""
-    mesh, ax = _region_axes()
+    mesh, ax = _region_axes(split_experts)
     N, K = indices.shape
     E = moe.num_experts
-    P = mesh.shape[ax.expert]
+    P = mesh.shape[ax.expert] if split_experts else 1
     if E % P:
         raise ValueError(f"model.moe.num_experts={E} is not divisible by the mesh's expert axis ({P})")
     F = w_gate.shape[2]
@@ -387,7 +400,7 @@ def _expert_parallel(local_fn, x_flat, weights, indices, w_gate, w_up, w_down, m
         x_flat = jnp.pad(x_flat, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
         indices = jnp.pad(indices, ((0, pad), (0, 0)), constant_values=E)
-    # Inside the region: experts split over `expert`, the ffw dim over `ffw`, D whole.
+    # Inside the region: experts split over `expert` (or whole), the ffw dim over `ffw`, D whole.
     w_in, w_out = (ax.expert, None, ax.ffw), (ax.expert, ax.ffw, None)
     parts, specs, rebuilds = zip(
         *(_weight_in(w, spec, x_flat.dtype) for w, spec in ((w_gate, w_in), (w_up, w_in), (w_down, w_out)))
@@ -409,6 +422,20 @@ def _expert_parallel(local_fn, x_flat, weights, indices, w_gate, w_up, w_down, m
     )
     y, dropped, load = region(x_flat, weights, indices, parts)
     return y[:N], MoEStats(load, dropped, dropped.astype(jnp.float32) / (N * K))
+
+
+def dense_experts(x_flat, weights, indices, w_gate, w_up, w_down, moe: MoEConfig):
+    """``dispatch == "dense"``: every device runs its own tokens through all the experts.
+
+    The experts are gathered (over ``expert`` and ``fsdp``; the ffw dim stays split over
+    ``tensor``), so nothing about the tokens is exchanged: this is ``"dropless"`` without its
+    all-gather and reduce-scatter. Under plain GSPMD the sort by expert would instead gather
+    every token onto every device. Args and returns as :func:`dropless_experts`.
+    """
+    return _expert_parallel(
+        functools.partial(_dropless_local, num_experts=moe.num_experts),
+        x_flat, weights, indices, w_gate, w_up, w_down, moe, split_experts=False,
+    )  # fmt: skip
 
 
 def dropless_experts(x_flat, weights, indices, w_gate, w_up, w_down, moe: MoEConfig):

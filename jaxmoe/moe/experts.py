@@ -5,12 +5,16 @@ A = N*K token-expert assignments.
 
 Every dispatch function has the signature of :data:`Dispatch`: given the tokens, the router's
 choice, the stacked expert weights and the MoE config, it returns the weighted sum of the chosen
-experts' outputs per token and the routing statistics (:class:`MoEStats`). ``"dense"`` (this
-file) is the single-program path: sort assignments by expert and run each expert's rows as one
-group of a grouped matmul (:func:`jaxmoe.moe.grouped.grouped_matmul`: ``jax.lax.ragged_dot`` on
-TPU/GPU, a blocked loop on CPU); it runs on one device and under GSPMD, where the compiler
-gathers what it needs. The expert-parallel paths ``"dropless"``, ``"capacity"`` and ``"ragged"``
-(``shard_map`` collectives) live in :mod:`jaxmoe.moe.expert_parallel`.
+experts' outputs per token and the routing statistics (:class:`MoEStats`). All four live in
+:mod:`jaxmoe.moe.expert_parallel` (``jax.shard_map`` regions): ``"dense"`` keeps every expert on
+every device and each device's tokens where they are; ``"dropless"``, ``"capacity"`` and
+``"ragged"`` split the experts over the ``expert`` axis.
+
+:func:`grouped_experts` is the same computation as one program: sort assignments by expert and
+run each expert's rows as one group of a grouped matmul (:func:`jaxmoe.moe.grouped.grouped_matmul`:
+``jax.lax.ragged_dot`` on TPU/GPU, a blocked loop on CPU). Under GSPMD on a mesh the sort makes
+XLA gather every token onto every device, which is why the dispatch functions run in
+``shard_map`` instead.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.config import MOE_DISPATCH, MoEConfig
-from jaxmoe.moe.expert_parallel import MoEStats, capacity_experts, dropless_experts, ragged_experts
+from jaxmoe.config import MOE_DISPATCH
+from jaxmoe.moe.expert_parallel import MoEStats, capacity_experts, dense_experts, dropless_experts, ragged_experts
 from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.quant.qarray import QArray
 
@@ -83,14 +87,8 @@ def grouped_experts(
     return y.astype(x_flat.dtype)
 
 
-def _dense_dispatch(x_flat, weights, indices, w_gate, w_up, w_down, moe: MoEConfig) -> tuple[jax.Array, MoEStats]:
-    y = grouped_experts(x_flat, weights, indices, w_gate, w_up, w_down)
-    load = jnp.bincount(indices.reshape(-1), length=moe.num_experts).astype(jnp.int32)  # [E]
-    return y, MoEStats(load, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
-
-
 _DISPATCH: dict[str, Dispatch] = {
-    "dense": _dense_dispatch,
+    "dense": dense_experts,
     "dropless": dropless_experts,
     "capacity": capacity_experts,
     "ragged": ragged_experts,

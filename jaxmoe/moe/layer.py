@@ -25,7 +25,7 @@ from jaxmoe.moe.experts import get_dispatch
 from jaxmoe.moe.router import RouterBias, route
 from jaxmoe.nn import dense, param
 from jaxmoe.nn.linear import normal, zeros
-from jaxmoe.sharding import constrain
+from jaxmoe.sharding import constrain, token_parallel
 
 
 class MLP(nnx.Module):
@@ -69,9 +69,11 @@ class MoE(nnx.Module):
     def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x_flat [N, D]`` -> ``(weights [N, K] fp32, indices [N, K] int32, scores [N, E] fp32)``.
 
-        See :func:`jaxmoe.moe.router.route`.
+        See :func:`jaxmoe.moe.router.route`. On a mesh each device routes its own tokens
+        (:func:`jaxmoe.sharding.token_parallel`): under GSPMD alone ``top_k`` would gather all ``N``.
         """
-        return route(x_flat, self.router[...], self.router_bias[...], self.moe)
+        fn = lambda x, router, bias: route(x, router, bias, self.moe)
+        return token_parallel(fn, (x_flat,), (self.router[...], self.router_bias[...]))
 
     def call_with_stats(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         """``x [B, T, D] -> (y [B, T, D] in the compute dtype, MoEStats)``: load and drops."""
