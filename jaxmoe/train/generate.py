@@ -19,15 +19,14 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager
-from jaxmoe.config import Config, MeshConfig, from_config_dict
+from jaxmoe.config import Config, MeshConfig
 from jaxmoe.data.tokenizer import BPETokenizer
 from jaxmoe.model import abstract_model
-from jaxmoe.train.loop import CHECKPOINT_DIR, TOKENIZER_FILE
+from jaxmoe.train.loop import CHECKPOINT_DIR, TOKENIZER_FILE, stored_config
 
 
 def _inference_config(cfg: Config) -> Config:
@@ -40,10 +39,7 @@ def _from_training_checkpoints(root: pathlib.Path) -> tuple[Config, nnx.Module]:
         step = mgr.latest_step()
         if step is None:
             raise CheckpointError(f"checkpoint root {str(root)!r} holds no complete step")
-    # The typed config is one of the step's items; read it first to build the restore target.
-    with ocp.CheckpointManager(root, item_names=("config",)) as reader:
-        values = reader.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    cfg = from_config_dict(values)
+    cfg = stored_config(root, step)  # first, to build the restore target
     graphdef, state = nnx.split(abstract_model(cfg.model))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), nnx.to_pure_dict(state))

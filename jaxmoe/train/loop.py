@@ -26,11 +26,21 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager
-from jaxmoe.config import MESH_AXES, MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, validate, validate_training
+from jaxmoe.config import (
+    MESH_AXES,
+    MXFP4_WEIGHTS,
+    Config,
+    ConfigError,
+    MeshConfig,
+    from_config_dict,
+    validate,
+    validate_training,
+)
 from jaxmoe.data.pipeline import PackedBatches, build_token_data, heldout_batches
 from jaxmoe.sharding import make_mesh
 from jaxmoe.train.metrics import MetricsWriter, load_summary, measure_peak_flops, model_flops_per_token
@@ -86,23 +96,48 @@ def _checkpoint_items(state: TrainState) -> tuple[dict, dict]:
     return deep_merge(state.params, state.router_bias), opt
 
 
+def stored_config(root: str | pathlib.Path, step: int) -> Config:
+    """The typed config saved with ``step`` under the checkpoint root ``root`` (read without the arrays)."""
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    try:
+        with ocp.CheckpointManager(pathlib.Path(root).absolute(), item_names=("config",), options=options) as mgr:
+            values = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except Exception as e:  # noqa: BLE001 (a damaged or missing item: say which)
+        raise CheckpointError(f"checkpoint {str(root)!r} step {step}: its config cannot be read: {e}") from e
+    return from_config_dict(values)
+
+
+def _check_same_model(cfg: Config, stored: Config, where: pathlib.Path) -> None:
+    if stored.model == cfg.model:
+        return
+    fields = dataclasses.fields(cfg.model)
+    diff = [f.name for f in fields if getattr(cfg.model, f.name) != getattr(stored.model, f.name)]
+    raise ConfigError(
+        f"{where} holds a checkpoint of another model (model.{diff[0]} differs: "
+        f"{getattr(stored.model, diff[0])!r} there, {getattr(cfg.model, diff[0])!r} here); use a new workdir"
+    )
+
+
 def _restore(ckpt: CheckpointManager, trainer: Trainer, cfg: Config, log) -> tuple[int, TrainState, Any] | None:
-    """The newest intact step as ``(step, state, data_state)``; damaged steps are skipped (and said so)."""
+    """The newest intact step as ``(step, state, data_state)``; damaged steps are skipped (and said so).
+
+    Raises:
+        ConfigError: the checkpoints are of another model.
+        CheckpointError: there are checkpoints but none can be restored.
+    """
+    steps = ckpt.all_steps()
+    if not steps:
+        return None
     target = trainer.abstract_state()
     params_target, opt_target = _checkpoint_items(target)
-    for step in reversed(ckpt.all_steps()):
+    for step in reversed(steps):
         try:
+            # The config first: a checkpoint of another model is an error, not damage to skip.
+            _check_same_model(cfg, stored_config(ckpt.directory, step), ckpt.step_dir(step))
             r = ckpt.restore(step, params=params_target, opt_state=opt_target)
         except CheckpointError as e:
             log(f"checkpoint step {step} cannot be restored, trying an older one: {e}")
             continue
-        if r.config.model != cfg.model:
-            fields = dataclasses.fields(cfg.model)
-            diff = [f.name for f in fields if getattr(cfg.model, f.name) != getattr(r.config.model, f.name)]
-            raise ConfigError(
-                f"{ckpt.directory} holds a checkpoint of another model (model.{diff[0]} differs: "
-                f"{getattr(r.config.model, diff[0])!r} there, {getattr(cfg.model, diff[0])!r} here); use a new workdir"
-            )
         state = TrainState(
             _take(r.params, target.params),
             _take(r.params, target.router_bias),
@@ -110,7 +145,10 @@ def _restore(ckpt: CheckpointManager, trainer: Trainer, cfg: Config, log) -> tup
             r.opt_state.get("indexer"),
         )
         return step, state, r.data_state
-    return None
+    raise CheckpointError(
+        f"none of the checkpoints {steps} in {str(ckpt.directory)!r} can be restored (see above); "
+        "move them away to start over"
+    )
 
 
 def _fetch(tree):
@@ -189,6 +227,8 @@ def train(
         data.tokenizer.save(tokenizer_file)
         log(f"data: {len(data.train)} train / {len(data.heldout)} held-out tokens; {data.source}")
 
+    # Before the mesh is set: the measurement runs on this process's devices only.
+    peak = t.peak_flops or measure_peak_flops()
     with jax.set_mesh(mesh):
         trainer = Trainer(cfg, mesh)
         ckpt = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=t.keep_checkpoints)
@@ -199,7 +239,6 @@ def train(
             step, state, data_state = restored
             batches.restore(data_state["batches"])
             log(f"resumed from step {step} ({ckpt.step_dir(step)})")
-        peak = t.peak_flops or measure_peak_flops()
         writer = MetricsWriter(workdir, resume_step=step, stdout=stdout, enabled=is_main)
         tokens_per_step = t.batch_size * t.seq_len
         compiled: dict[str, Any] = {}
@@ -213,7 +252,7 @@ def train(
                 record: dict[str, Any] = {}
                 if stage not in compiled:
                     start = time.perf_counter()
-                    compiled[stage] = trainer.step_fn(stage).lower(state, inputs, targets).compile()
+                    compiled[stage] = trainer.compile_step(stage, state, inputs, targets)
                     record["compile_s"] = time.perf_counter() - start
                     last_time += record["compile_s"]
                 lr = trainer.learning_rate(step)
@@ -243,11 +282,11 @@ def train(
                         **record,
                     }
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
+                start = time.perf_counter()  # evaluation and checkpoints are not training time
                 if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                     evaluate = trainer.eval_fn(trainer.stage(step - 1))
                     losses = [evaluate(state, *trainer.batch(b)) for b in heldout]
                     record["heldout_loss"] = float(np.mean([float(_fetch(v)) for v in losses]))
-                    last_time = time.perf_counter()  # evaluation is not training time
                 if record:
                     record.setdefault("step", step)
                     writer.write(record)
@@ -257,6 +296,7 @@ def train(
                     data_state = {"batches": batches.state(), "step": step}
                     ckpt.save(step, params=params, opt_state=opt, data_state=data_state, config=cfg, force=True)
                     summary["checkpoint"] = str(ckpt.step_dir(step))
+                last_time += time.perf_counter() - start
                 if stop_after is not None and step >= stop_after:
                     break
             ckpt.wait_until_finished()

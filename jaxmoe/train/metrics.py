@@ -81,7 +81,7 @@ def model_flops_per_token(cfg: Config, stage: str = "main") -> float:
     return float(flops)
 
 
-def measure_peak_flops(devices=None, n: int | None = None, repeats: int = 5) -> float:
+def measure_peak_flops(devices=None, n: int | None = None, repeats: int = 3) -> float:
     """FLOP/s per device of a jitted f32 matmul run on all ``devices`` (default: this process's) at once.
 
     Devices that share hardware (XLA's fake CPU devices) share it here too, so the figure is what
@@ -89,10 +89,10 @@ def measure_peak_flops(devices=None, n: int | None = None, repeats: int = 5) -> 
     """
     devices = list(jax.local_devices() if devices is None else devices)
     if n is None:
-        n = 1024 if devices[0].platform == "cpu" else 4096
+        n = 512 if devices[0].platform == "cpu" else 4096
     mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-    a = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32), sharding)
+    a = jax.jit(lambda: jnp.ones((len(devices), n, n), jnp.float32), out_shardings=sharding)()
     matmul = jax.jit(
         lambda x, y: jnp.einsum("bij,bjk->bik", x, y, precision=jax.lax.Precision.HIGHEST), out_shardings=sharding
     )

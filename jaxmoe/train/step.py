@@ -22,6 +22,7 @@ Shape letters: B batch, T sequence, V vocab, E experts, K experts per token, L M
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.attention.dsa import DSA
-from jaxmoe.config import Config
+from jaxmoe.config import Config, TrainConfig
 from jaxmoe.model import abstract_model, create_model
 from jaxmoe.moe.router import RouterBias
 from jaxmoe.sharding import logical_to_spec, state_shardings
@@ -178,11 +179,105 @@ def forward(
 
 
 # --------------------------------------------------------------------------------------------
+# Steps: module-level functions of (graphdef, program config, stage), so every Trainer of the same
+# program shares one compiled executable per process (jax.jit caches on the function and its
+# static arguments).
+
+
+def split_steps(cfg: Config) -> tuple[int, int]:
+    """``(warm-up steps, main steps)``: the DSA dense warm-up needs DSA layers."""
+    warmup = min(cfg.train.dsa.warmup_steps, cfg.train.steps) if "dsa" in cfg.model.layer_kinds else 0
+    return warmup, cfg.train.steps - warmup
+
+
+def optimizers(cfg: Config) -> tuple[optax.GradientTransformation, optax.GradientTransformation | None]:
+    """The model optimizer (over the main steps) and the warm-up's indexer optimizer (None without one)."""
+    warmup, main = split_steps(cfg)
+    tx = model_optimizer(cfg.train.optim, max(main, 1))
+    indexer_tx = indexer_warmup_optimizer(cfg.train.optim, cfg.train.dsa.warmup_learning_rate) if warmup else None
+    return tx, indexer_tx
+
+
+def program_config(cfg: Config) -> Config:
+    """``cfg`` with the fields that do not enter the compiled step reset (name, seed, data, logging...)."""
+    t, d = cfg.train, TrainConfig()
+    kept = dataclasses.replace(
+        d,
+        steps=t.steps,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        remat=t.remat,
+        optim=t.optim,
+        moe_balance=t.moe_balance,
+        dsa=t.dsa,
+    )
+    return dataclasses.replace(cfg, name="", train=kept)
+
+
+def _metrics(out: Forward, total: jax.Array, grad_norm: jax.Array) -> dict:
+    return {
+        "loss": out.lm_loss,
+        "total_loss": total,
+        "indexer_kl": out.indexer_kl,
+        "seq_aux_loss": out.seq_aux,
+        "grad_norm": grad_norm,
+        "expert_load": out.expert_load,
+        "drop_fraction": out.drop_fraction,
+    }
+
+
+def train_step(graphdef, cfg: Config, stage: str, state: TrainState, inputs, targets) -> tuple[TrainState, dict]:
+    """One update of ``stage`` on ``inputs, targets [B, T]``: ``(new state, metrics)``."""
+    t = cfg.train
+    tx, indexer_tx = optimizers(cfg)
+    run = lambda params: forward(
+        graphdef, params, state.router_bias, inputs, targets, cfg=cfg, stage=stage, remat=t.remat
+    )
+    if stage == "warmup":
+        indexer_params = select(state.params, _is_indexer)
+
+        def indexer_loss(indexer_params):
+            out = run(merge_into(state.params, indexer_params))
+            return out.indexer_kl, out
+
+        (total, out), grads = jax.value_and_grad(indexer_loss, has_aux=True)(indexer_params)
+        updates, indexer_opt = indexer_tx.update(grads, state.indexer_opt_state, indexer_params)
+        params = merge_into(state.params, optax.apply_updates(indexer_params, updates))
+        new = TrainState(params, state.router_bias, state.opt_state, indexer_opt)
+        return new, _metrics(out, total, optax.global_norm(grads))
+
+    def loss(params):
+        out = run(params)
+        total = out.lm_loss
+        if t.moe_balance.seq_aux_loss_weight:
+            total = total + t.moe_balance.seq_aux_loss_weight * out.seq_aux
+        if t.dsa.indexer_loss_weight:
+            total = total + t.dsa.indexer_loss_weight * out.indexer_kl
+        return total, out
+
+    (total, out), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+    updates, opt = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    bias = state.router_bias
+    if t.moe_balance.bias_rate:
+        bias = update_router_bias(bias, out.expert_load, t.moe_balance.bias_rate)
+    new = TrainState(params, bias, opt, state.indexer_opt_state)
+    return new, _metrics(out, total, optax.global_norm(grads))
+
+
+def eval_loss(graphdef, cfg: Config, stage: str, state: TrainState, inputs, targets) -> jax.Array:
+    """The LM loss of ``state`` on ``inputs, targets`` with ``stage``'s attention (dense DSA in the warm-up)."""
+    model = nnx.merge(graphdef, state.params, state.router_bias)
+    set_dense_dsa(model, stage == "warmup")
+    return cross_entropy(model(inputs), targets)
+
+
+# --------------------------------------------------------------------------------------------
 # The trainer: state layout, shardings, jitted steps
 
 
 class Trainer:
-    """Builds the train state and the jit-compiled steps of ``cfg`` on ``mesh``.
+    """The train state and jit-compiled steps of ``cfg`` on ``mesh``.
 
     Args:
         cfg: the validated config (``cfg.train`` holds the training fields).
@@ -191,9 +286,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
-        t = cfg.train
-        self.warmup_steps = min(t.dsa.warmup_steps, t.steps) if "dsa" in cfg.model.layer_kinds else 0
-        self.main_steps = t.steps - self.warmup_steps
+        self.program = program_config(cfg)
+        self.warmup_steps, self.main_steps = split_steps(cfg)
+        self.tx, self.indexer_tx = optimizers(cfg)
         graphdef, params, bias = nnx.split(abstract_model(cfg.model), nnx.Param, RouterBias)
         self.graphdef = graphdef
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -203,18 +298,14 @@ class Trainer:
         abstract_params = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nnx.to_pure_dict(params), param_shardings
         )
-        self.tx = model_optimizer(t.optim, max(self.main_steps, 1))
         opt_shardings = self._opt_shardings(self.tx, abstract_params, param_shardings)
-        self.indexer_tx, indexer_shardings = None, None
-        if self.warmup_steps:
-            self.indexer_tx = indexer_warmup_optimizer(t.optim, t.dsa.warmup_learning_rate)
+        indexer_shardings = None
+        if self.indexer_tx is not None:
             indexer_shardings = self._opt_shardings(
                 self.indexer_tx, select(abstract_params, _is_indexer), select(param_shardings, _is_indexer)
             )
         self.state_shardings = TrainState(param_shardings, bias_shardings, opt_shardings, indexer_shardings)
         self._abstract_params, self._abstract_bias = abstract_params, bias
-        self._steps: dict[str, Callable] = {}
-        self._evals: dict[str, Callable] = {}
 
     def _opt_shardings(self, tx, abstract_params, param_shardings):
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -265,91 +356,32 @@ class Trainer:
         return make(inputs), make(targets)
 
     # --- steps ---------------------------------------------------------------------------------
-    def step_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
-        """The jitted ``(state, inputs, targets) -> (state, metrics)`` of ``stage`` (the state is donated)."""
+    def _jit_step(self, stage: str):
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-        if stage not in self._steps:
-            fn = self._warmup_step if stage == "warmup" else self._main_step
-            self._steps[stage] = jax.jit(
-                fn,
-                in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
-                out_shardings=(self.state_shardings, self.replicated),
-                donate_argnums=0,
-            )
-        return self._steps[stage]
-
-    def _forward(self, params, router_bias, inputs, targets, stage):
-        return forward(
-            self.graphdef,
-            params,
-            router_bias,
-            inputs,
-            targets,
-            cfg=self.cfg,
-            stage=stage,
-            remat=self.cfg.train.remat,
+        return jax.jit(
+            train_step,
+            static_argnums=(0, 1, 2),
+            in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=3,
         )
 
-    @staticmethod
-    def _metrics(out: Forward, total: jax.Array, grad_norm: jax.Array) -> dict:
-        return {
-            "loss": out.lm_loss,
-            "total_loss": total,
-            "indexer_kl": out.indexer_kl,
-            "seq_aux_loss": out.seq_aux,
-            "grad_norm": grad_norm,
-            "expert_load": out.expert_load,
-            "drop_fraction": out.drop_fraction,
-        }
+    def step_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
+        """The jitted ``(state, inputs, targets) -> (state, metrics)`` of ``stage`` (the state is donated)."""
+        step = self._jit_step(stage)
+        return lambda state, inputs, targets: step(self.graphdef, self.program, stage, state, inputs, targets)
 
-    def _warmup_step(self, state: TrainState, inputs, targets):
-        indexer_params = select(state.params, _is_indexer)
-
-        def loss_fn(indexer_params):
-            params = merge_into(state.params, indexer_params)
-            out = self._forward(params, state.router_bias, inputs, targets, "warmup")
-            return out.indexer_kl, out
-
-        (total, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(indexer_params)
-        updates, indexer_opt = self.indexer_tx.update(grads, state.indexer_opt_state, indexer_params)
-        params = merge_into(state.params, optax.apply_updates(indexer_params, updates))
-        new = TrainState(params, state.router_bias, state.opt_state, indexer_opt)
-        return new, self._metrics(out, total, optax.global_norm(grads))
-
-    def _main_step(self, state: TrainState, inputs, targets):
-        t = self.cfg.train
-
-        def loss_fn(params):
-            out = self._forward(params, state.router_bias, inputs, targets, "main")
-            total = out.lm_loss
-            if t.moe_balance.seq_aux_loss_weight:
-                total = total + t.moe_balance.seq_aux_loss_weight * out.seq_aux
-            if t.dsa.indexer_loss_weight:
-                total = total + t.dsa.indexer_loss_weight * out.indexer_kl
-            return total, out
-
-        (total, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        bias = state.router_bias
-        if t.moe_balance.bias_rate:
-            bias = update_router_bias(bias, out.expert_load, t.moe_balance.bias_rate)
-        new = TrainState(params, bias, opt, state.indexer_opt_state)
-        return new, self._metrics(out, total, optax.global_norm(grads))
+    def compile_step(self, stage: str, state: TrainState, inputs, targets):
+        """:meth:`step_fn` compiled ahead of time (to time it); called the same way."""
+        return self._jit_step(stage).lower(self.graphdef, self.program, stage, state, inputs, targets).compile()
 
     def eval_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], jax.Array]:
         """The jitted held-out LM loss ``(state, inputs, targets) -> []`` with ``stage``'s attention."""
-        if stage not in self._evals:
-
-            def loss(state: TrainState, inputs, targets):
-                model = nnx.merge(self.graphdef, state.params, state.router_bias)
-                set_dense_dsa(model, stage == "warmup")
-                return cross_entropy(model(inputs), targets)
-
-            self._evals[stage] = jax.jit(
-                loss,
-                in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
-                out_shardings=self.replicated,
-            )
-        return self._evals[stage]
+        loss = jax.jit(
+            eval_loss,
+            static_argnums=(0, 1, 2),
+            in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+            out_shardings=self.replicated,
+        )
+        return lambda state, inputs, targets: loss(self.graphdef, self.program, stage, state, inputs, targets)
