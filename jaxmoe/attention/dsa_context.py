@@ -3,24 +3,27 @@
 The dense DSA path (:meth:`jaxmoe.attention.dsa.DSA.select` then ``sparse_attention``) scores
 every query against every key, ``[B, T, S]``, and gathers ``[B, T, K, C]``; both grow past any
 memory long before a 1M-token context. :func:`sparse_dsa` computes the same result with memory
-``O(T K / chunks + block_q block_k)``:
+``O(query_chunk (S / group + buffer K) + block_q block_k)``:
 
-1. **Selection, streamed.** Queries are taken a *chunk* at a time (``query_chunk``); for the
-   chunk, every key block is scored (``[B, block_q, block_k]``) and merged into a running
-   top-K (values and global key indices, ``[B, query_chunk, K]``, unsorted). A merge only moves
-   the block entries that beat the query's current K-th value: their count ``c`` (the largest
-   over the block's queries) picks a static bucket ``M >= c``; the block's top-M candidates are
-   found through group maxima (``top_k`` over ``block_k / group`` maxima, then over the M
-   chosen groups), merged with the running set's M smallest, and the best M written back in
-   their slots. Scores of later key blocks beat the threshold rarely, so most merges are small.
-   Key blocks no query of the block can see are skipped.
+1. **Selection, in two passes over the keys.** Queries are taken a *chunk* at a time
+   (``query_chunk``), scored ``block_q`` by ``block_k`` (``[B, block_q, block_k]``, never more).
+   Pass 1 keeps each query's maximum over every ``group`` keys (as 16-bit order-preserving keys):
+   if K groups reach a value, so do K scores, so the K-th largest group maximum bounds the
+   query's K-th score from below (found by bisection over the maxima). Pass 2 buffers only the
+   keys above the bound (about K of them once the query sees many more than ``K * group`` keys),
+   located through one uint32 mask word per 32 keys, and the exact top-K is bisected within the
+   buffer. Keys exactly *at* the bound (ReLU zeros tie by the thousand) are kept as a bitmask and
+   taken lowest index first, as ``top_k`` breaks ties. A query whose candidates overflow the
+   buffer (few keys seen, or a loose bound) refines the bound from its buffer's own K-th entry and
+   collects again; after ``rounds`` refinements the chunk bisects its K-th score with counting
+   passes (exact, slow, rare). Key blocks past the last visible one are skipped.
 2. **Attention, gathered.** Each query attends, in the absorbed (MQA-over-latent) form, to the
    ``C + R`` latent entries it selected, ``attn_block_q`` queries at a time, with an online
    softmax; the per-block work is rematerialised in the backward pass.
 
 **Context parallelism** (mesh axis ``context`` of size P > 1, inside ``jax.shard_map``): each
-shard keeps its queries; for every query chunk, the indexer keys (with their positions) travel
-round the ring with ``ppermute`` and the running top-K absorbs each visiting shard; then the
+shard keeps its queries; for every query chunk and pass, the indexer keys (with their positions)
+travel round the ring with ``ppermute`` and every visiting shard's keys are scored; then the
 latents travel round the ring and each query's online softmax absorbs the selected entries that
 belong to the visiting shard (a shard none of a block's selections falls in is skipped). Key
 indices are global (``shard * S_local + s``), so the selection equals the unsharded one. No
