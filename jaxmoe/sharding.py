@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import MESH_AXES, MeshConfig
@@ -71,19 +72,60 @@ def logical_to_spec(axes: Sequence[str | None], rules=RULES) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
-def make_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """Builds the five-axis mesh (Explicit-free: all axes Auto, so GSPMD propagates)."""
-    devices = jax.devices() if devices is None else devices
+# TPU kinds whose slices need a physical torus axis split between mesh axes (as jax.make_mesh does).
+_SPLIT_PHYSICAL_AXES_KINDS = ("TPU v5 lite", "TPU v5e")
+
+
+def device_grid(mesh_cfg: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
+    """Lays ``devices`` out as an array of shape ``mesh_cfg.shape`` (axes :data:`MESH_AXES`).
+
+    Devices of one slice (or with no ``slice_index``, as on CPU and GPU) are placed as
+    ``jax.make_mesh`` places them. Devices from several TPU slices form a hybrid mesh: the slices
+    split the ``data`` axis, slice-major (the devices of slice ``i`` hold the ``i``-th contiguous
+    block of ``data``), so only the data-parallel gradient reduction crosses the data-center
+    network; every other axis stays within a slice's ICI torus.
+
+    Args:
+      mesh_cfg: the five axis sizes; their product must equal ``len(devices)``.
+      devices: objects with ``platform`` and ``device_kind``; on TPU also ``coords``,
+        ``core_on_chip`` and ``slice_index``.
+
+    Returns:
+      An object array of devices, shape ``mesh_cfg.shape``.
+    """
+    sizes = dict(zip(MESH_AXES, mesh_cfg.shape))
     if mesh_cfg.num_devices != len(devices):
+        raise ValueError(f"mesh {sizes} needs {mesh_cfg.num_devices} devices, {len(devices)} available")
+    allow_split = devices[0].device_kind in _SPLIT_PHYSICAL_AXES_KINDS
+    per_slice: dict[int, int] = {}
+    for d in devices:
+        i = getattr(d, "slice_index", 0)
+        per_slice[i] = per_slice.get(i, 0) + 1
+    n_slices = len(per_slice)
+    if n_slices == 1:
+        return mesh_utils.create_device_mesh(mesh_cfg.shape, devices, allow_split_physical_axes=allow_split)
+    if mesh_cfg.data % n_slices:
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, mesh_cfg.shape))} needs {mesh_cfg.num_devices} devices, "
-            f"{len(devices)} available"
+            f"mesh.data={mesh_cfg.data} must be a multiple of the number of slices ({n_slices}): "
+            f"the data axis spans the slices; mesh {sizes}"
         )
-    return jax.make_mesh(
-        mesh_cfg.shape,
+    if len(set(per_slice.values())) != 1:
+        raise ValueError(f"devices are spread unevenly over slices: {dict(sorted(per_slice.items()))} per slice")
+    dcn = (n_slices,) + (1,) * (len(MESH_AXES) - 1)  # between slices: data only
+    ici = (mesh_cfg.data // n_slices, *mesh_cfg.shape[1:])  # within a slice: everything else
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=allow_split)
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """Builds the five-axis mesh (Explicit-free: all axes Auto, so GSPMD propagates).
+
+    Works across TPU slices too: see :func:`device_grid` for the device layout.
+    """
+    devices = jax.devices() if devices is None else devices
+    return jax.sharding.Mesh(
+        device_grid(mesh_cfg, devices),
         MESH_AXES,
         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-        devices=devices,
     )
 
 
