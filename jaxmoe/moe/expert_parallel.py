@@ -416,9 +416,6 @@ def _expert_parallel(local_fn, x_flat, weights, indices, w_gate, w_up, w_down, m
         mesh=mesh,
         in_specs=(tok, tok, tok, specs),
         out_specs=(tok, PartitionSpec(), PartitionSpec()),
-        # grouped_matmul's CPU tile loop starts its carry from unannotated zeros, which the
-        # varying-axes type check rejects; the tests hold every mesh's gradients to the reference.
-        check_vma=False,
     )
     y, dropped, load = region(x_flat, weights, indices, parts)
     return y[:N], MoEStats(load, dropped, dropped.astype(jnp.float32) / (N * K))

@@ -30,6 +30,11 @@ own group's ``[O, I]`` weight, and consecutive tiles of one group reuse it (tile
 group), so each expert in use is dequantized once per matmul and never more than one expert is
 held in full precision. (``ragged_dot`` would need all ``E`` experts dequantized at once.) The
 reverse-mode rule gives ``dx`` by the same loop; the packed weight is frozen (no ``dw``).
+
+Inside ``jax.shard_map`` the operands are first cast to vary over the same mesh axes (the union
+of theirs), so the loops' zero-initialised carries can start with the type their updates have;
+where a weight is replicated over an axis the tokens are split on, the cast's transpose sums
+``dw`` over that axis, as autodiff of ``ragged_dot`` does.
 """
 
 from __future__ import annotations
@@ -93,12 +98,35 @@ def grouped_matmul(
         impl = "ragged" if jax.default_backend() in ("tpu", "gpu") else "blocked"
     if impl == "ragged":
         return jax.lax.ragged_dot(x_sorted, w, group_sizes, precision=precision)
+    x_sorted, w, group_sizes = _same_varying(x_sorted, w, group_sizes)
     block = default_block(x_sorted.shape[0], w.shape[0]) if block is None else int(block)
     if block < 1:
         raise ValueError(f"block must be a positive number of rows, got {block}")
     if x_sorted.shape[0] == 0:
         return jnp.zeros((0, w.shape[2]), jnp.result_type(x_sorted.dtype, w.dtype))
     return _blocked(x_sorted, w, group_sizes.astype(jnp.int32), block, precision)
+
+
+def _same_varying(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """``arrays``, each cast to vary over every manual mesh axis any of them varies over.
+
+    A loop carry must keep one type, and a carry started from zeros varies over no axis; with
+    all operands varying alike, :func:`_varying_as` gives the carry the type its updates
+    have. Outside ``jax.shard_map`` nothing varies and the arrays come back unchanged.
+    """
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+
+    def cast(a):
+        missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return tuple(cast(a) for a in arrays)
+
+
+def _varying_as(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` (varying over no mesh axis) cast to vary over the mesh axes ``like`` varies over."""
+    axes = tuple(sorted(jax.typeof(like).manual_axis_type.varying))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 # ------------------------------------------------------------------------------------------
@@ -153,7 +181,7 @@ def _tiled_matmul(x: jax.Array, w: jax.Array, tiles: _Tiles, b: int, precision, 
         return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(own[:, None], y_tile, old), lo, 0)
 
     out_dim = w.shape[1] if transpose_w else w.shape[2]
-    y = jnp.zeros((m, out_dim), jnp.result_type(x.dtype, w.dtype))  # [M, O]: never-written rows stay 0
+    y = _varying_as(jnp.zeros((m, out_dim), jnp.result_type(x.dtype, w.dtype)), x)  # [M, O]: unwritten rows stay 0
     return jax.lax.fori_loop(0, tiles.count, body, y)
 
 
@@ -169,7 +197,7 @@ def _tiled_outer(x: jax.Array, dy: jax.Array, num_groups: int, tiles: _Tiles, b:
         e = tiles.group[i]
         return jax.lax.dynamic_update_index_in_dim(dw, dw[e] + d.astype(dw.dtype), e, 0)
 
-    dw = jnp.zeros((num_groups, x.shape[1], dy.shape[1]), jnp.result_type(x.dtype, dy.dtype))  # [E, I, O]
+    dw = _varying_as(jnp.zeros((num_groups, x.shape[1], dy.shape[1]), jnp.result_type(x.dtype, dy.dtype)), x)
     return jax.lax.fori_loop(0, tiles.count, body, dw)
 
 
@@ -214,6 +242,7 @@ def _grouped_quantized(x_sorted: jax.Array, w: QArray, group_sizes: jax.Array, b
     if x_sorted.shape[0] == 0:
         return jnp.zeros((0, w.shape[2]), x_sorted.dtype)
     blocks, scales = w.arrays()  # [E, O, I/32, 16], [E, O, I/32]
+    x_sorted, blocks, scales, group_sizes = _same_varying(x_sorted, blocks, scales, group_sizes)
     return _blocked_q(x_sorted, blocks, scales, group_sizes.astype(jnp.int32), block, precision)
 
 
@@ -243,7 +272,7 @@ def _tiled_matmul_q(x, blocks, scales, tiles: _Tiles, b: int, precision, transpo
         return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(own[:, None], y_tile, old), lo, 0), g, w_t
 
     y = jnp.zeros((m, I if transpose_w else O), x.dtype)  # never-written rows stay 0
-    init = (y, jnp.int32(-1), jnp.zeros((O, I), x.dtype))
+    init = tuple(_varying_as(v, x) for v in (y, jnp.int32(-1), jnp.zeros((O, I), x.dtype)))
     return jax.lax.fori_loop(0, tiles.count, body, init)[0]
 
 
