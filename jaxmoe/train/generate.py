@@ -90,6 +90,19 @@ def _with_config(model: nnx.Module, cfg: Config) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
+def _next_token(graphdef, temperature: float, state, tokens, pos, key) -> jax.Array:
+    """The token at ``pos`` given ``tokens[1, L]`` (entries from ``pos`` on are ignored: causal)."""
+    logits = nnx.merge(graphdef, state)(tokens)[0]  # [L, V]
+    row = jax.lax.dynamic_index_in_dim(logits, pos - 1, keepdims=False)  # [V]: predicts position pos
+    if temperature == 0:
+        return jnp.argmax(row).astype(jnp.int32)
+    return jax.random.categorical(key, row / temperature).astype(jnp.int32)
+
+
+# One compiled program per (model structure, temperature, buffer length), shared by every call.
+_next_token_jit = jax.jit(_next_token, static_argnums=(0, 1))
+
+
 def sample(
     model: nnx.Module,
     prompt_ids: list[int],
@@ -111,18 +124,10 @@ def sample(
     buf = np.zeros((1, n + max_new_tokens), np.int32)
     buf[0, :n] = prompt_ids
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, tokens, pos, key):
-        logits = nnx.merge(graphdef, state)(tokens)[0]  # [L, V]
-        row = jax.lax.dynamic_index_in_dim(logits, pos - 1, keepdims=False)  # [V]: predicts position pos
-        if temperature == 0:
-            return jnp.argmax(row).astype(jnp.int32)
-        return jax.random.categorical(key, row / temperature).astype(jnp.int32)
-
     key = jax.random.PRNGKey(seed)
     for i in range(max_new_tokens):
-        buf[0, n + i] = int(next_token(state, buf, n + i, jax.random.fold_in(key, i)))
+        token = _next_token_jit(graphdef, float(temperature), state, buf, n + i, jax.random.fold_in(key, i))
+        buf[0, n + i] = int(token)
     return buf[0, n:].tolist()
 
 
