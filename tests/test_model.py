@@ -1,25 +1,23 @@
 """The tiny hybrid model under jit on the 8-device CPU mesh equals the single-device model."""
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
+from model_helpers import TINY_CONFIG, assert_same_loss_and_grads, loss_and_grads
 
 from jaxmoe.config import load_config
 from jaxmoe.model import create_model, shard_model
 from jaxmoe.sharding import logical_to_spec
 
-ROOT = pathlib.Path(__file__).parent.parent
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(ROOT / "configs/tiny.py")
+    return load_config(TINY_CONFIG)
 
 
 def _batch(cfg, seq=40):
@@ -28,27 +26,12 @@ def _batch(cfg, seq=40):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _loss_and_grads(model, inputs, targets):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def f(params, rest, inputs, targets):
-        def loss(params):
-            logits = nnx.merge(graphdef, params, rest)(inputs)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-        return jax.value_and_grad(loss)(params)
-
-    return f(params, rest, inputs, targets)
-
-
 @pytest.fixture(scope="module")
 def single_device(cfg):
     model = create_model(cfg.model, seed=0)
     inputs, targets = _batch(cfg)
-    loss, grads = _loss_and_grads(model, inputs, targets)
-    return model, loss, nnx.to_pure_dict(grads)
+    loss, grads = loss_and_grads(model, inputs, targets)
+    return model, loss, grads
 
 
 def test_sharded_equals_single_device(cfg, mesh, single_device):
@@ -74,13 +57,8 @@ def test_sharded_equals_single_device(cfg, mesh, single_device):
     inputs, targets = _batch(cfg)
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "seq")))
     inputs, targets = jax.device_put(inputs, batch_sharding), jax.device_put(targets, batch_sharding)
-    loss, grads = _loss_and_grads(model, inputs, targets)
-    np.testing.assert_allclose(float(loss), float(loss0), rtol=0, atol=TOL)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=TOL),
-        nnx.to_pure_dict(grads),
-        grads0,
-    )
+    loss, grads = loss_and_grads(model, inputs, targets)
+    assert_same_loss_and_grads(loss, grads, loss0, grads0, atol=TOL)
 
 
 def test_shard_model_places_by_rules(cfg, mesh, single_device):

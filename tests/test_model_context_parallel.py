@@ -7,20 +7,18 @@ per-layer context-parallel tests are in ``tests/attention/test_context_parallel.
 
 import dataclasses
 import functools
-import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
+from model_helpers import TINY_CONFIG, assert_same_loss_and_grads, loss_and_grads
 
 from jaxmoe.config import MeshConfig, load_config
 from jaxmoe.model import create_model, shard_model
 from jaxmoe.sharding import logical_to_spec, make_mesh
 
-TOL = dict(rtol=0, atol=1e-5)
+TOL = 1e-5
 
 MODEL_MESHES = {
     "context8": MeshConfig(context=8),
@@ -35,29 +33,14 @@ TINY_KINDS = ("mla", "kda", "dsa", "kda")  # the tiny config's own kinds: every 
 @functools.cache
 def _tiny_model_reference():
     """The tiny hybrid model (attention + MoE) and its loss and gradients without a mesh."""
-    cfg = load_config(pathlib.Path(__file__).parents[1] / "configs/tiny.py").model
+    cfg = load_config(TINY_CONFIG).model
     cfg = dataclasses.replace(cfg, layer_kinds=TINY_KINDS)
     model = create_model(cfg, seed=0)
     # 48 tokens: a multiple of 2 x 8 (zig-zag) and 6 a shard on 8 shards (>= conv K-1 = 3);
     # KDA chunks (16) do not line up with the shards (12 or 6 tokens), so boundary states matter.
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 49), dtype=np.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    return model, inputs, targets, _model_loss_and_grads(model, inputs, targets)
-
-
-def _model_loss_and_grads(model, inputs, targets):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def f(params, rest, inputs, targets):
-        def loss(params):
-            logits = nnx.merge(graphdef, params, rest)(inputs)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-        return jax.value_and_grad(loss)(params)
-
-    return f(params, rest, inputs, targets)
+    return model, inputs, targets, loss_and_grads(model, inputs, targets)
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_MESHES))
@@ -67,10 +50,5 @@ def test_tiny_model_context_parallel_equals_single_device(name):
     with jax.set_mesh(mesh):
         model = shard_model(model0, mesh)
         batch = NamedSharding(mesh, logical_to_spec(("batch", "seq")))
-        loss, grads = _model_loss_and_grads(model, jax.device_put(inputs, batch), jax.device_put(targets, batch))
-    np.testing.assert_allclose(float(loss), float(loss0), **TOL)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL),
-        nnx.to_pure_dict(grads),
-        nnx.to_pure_dict(grads0),
-    )
+        loss, grads = loss_and_grads(model, jax.device_put(inputs, batch), jax.device_put(targets, batch))
+    assert_same_loss_and_grads(loss, grads, loss0, grads0, atol=TOL)
