@@ -75,7 +75,7 @@ class DSABlocks:
     attn_block_q: int = 64
     append: int = 32
     buffer: int = 4
-    rounds: int = 8
+    rounds: int = 16
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -385,17 +385,18 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
 
         return take
 
-    def collect(C, top, last, tied=None):
+    def collect(C, top, last=None, tied=None):
         """Buffers the entries with ``key > top``, or ``key == top`` and ``index <= last``.
 
-        With ``tied`` (a key per query) the entries with exactly that key are not buffered but
-        marked in a bitmask over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order =
+        With ``tied`` (a key per query; ``last`` is then None) the entries with exactly that key
+        are not buffered but marked in a bitmask over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order =
         slot order), for :func:`add_ties`: ReLU zeros tie by the thousand.
         """
 
         def add(carry, i, s, slot_base, index_base):
             buf, marks = carry
-            take = taker(top[i], last[i])(s, index_base + jnp.arange(bk, dtype=jnp.int32))
+            no_ties = jnp.full(top[i].shape, -1, jnp.int32)
+            take = taker(top[i], no_ties if last is None else last[i])(s, index_base + jnp.arange(bk, dtype=jnp.int32))
             buf = _append(buf, s, take, index_base, M=lay.append, bits=lay.bits)
             if marks is not None:
                 at = (s > -jnp.inf) & (_sortable(s) == tied[i][..., None])
@@ -457,26 +458,38 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
     # buffer holds: the K-th largest of the buffered ones (a subset of the query's keys) is a
     # tighter bound, and each round drops at least buffer - K of the candidates.
     C = lay.buffer
-    # Entries above the bound are buffered; entries exactly at it (ties, e.g. ReLU zeros) only
-    # marked: a query with fewer than K above it takes its lowest-index ties.
+    # Entries above the bound are buffered, entries exactly at it (ties: ReLU zeros by the
+    # thousand) only marked: a query with fewer than K above takes its lowest-index ties. While
+    # some query has more above than the buffer holds, its buffer's K-th key (of a subset of its
+    # keys, so at least K keys reach it) becomes its new bound; each round drops at least
+    # buffer - K candidates.
     top = _sortable(bound)
-    last = _varying(jnp.full(bound.shape, -1, jnp.int32), q_idx)
+
+    def raise_bound(xs):
+        """A higher bound for one query block: its buffer's K-th entry at 16-bit resolution (cheap),
+        exact where that is no higher than the current bound."""
+        vals, idx, n, top = xs
+        held = jnp.arange(C) < jnp.minimum(n, C)[..., None]
+        keys16 = jnp.where(held, _sortable(vals) >> 16, _KEY16_NEG_INF).astype(jnp.int16)
+        coarse = _sortable(_group_bound(keys16, K))
+        stuck = (n > C) & (coarse <= top)
+        exact = lambda: _kth((vals, idx, n), K, lay.index_bound)[0]  # noqa: E731
+        return jnp.where(stuck, jax.lax.cond(jnp.any(stuck), exact, lambda: coarse), coarse)
 
     def refine(state):
-        buf, top, last, r = state
+        (buf, marks), top, r = state
         over = buf[2] > C
-        t2, l2 = jax.lax.map(lambda b: _kth(b, K, lay.index_bound), buf)
-        top, last = jnp.where(over, t2, top), jnp.where(over, l2, last)
-        return collect(C, top, last)[0], top, last, r + 1
+        top = jnp.where(over, jax.lax.map(raise_bound, (*buf, top)), top)
+        return collect(C, top, tied=top), top, r + 1
 
-    first, marks = collect(C, top, last, tied=top)
-    state = (first, top, last, jnp.zeros((), jnp.int32))
-    state = jax.lax.while_loop(lambda st: (most(st[0]) > C) & (st[3] < lay.rounds), refine, state)
+    state = (collect(C, top, tied=top), top, jnp.zeros((), jnp.int32))
+    (buf, marks), top, _ = jax.lax.while_loop(lambda st: (most(st[0][0]) > C) & (st[2] < lay.rounds), refine, state)
 
     def fast():
-        chosen = choose(state[0])
-        n = jnp.minimum(first[2], K)  # entries above the bound (all chosen when fewer than K)
-        return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, bound), lambda: chosen)
+        chosen = choose(buf)
+        n = jnp.minimum(buf[2], K)  # entries above the bound (all chosen when fewer than K)
+        value = _unsortable(top)
+        return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, value), lambda: chosen)
 
     def exact():
         """The K-th score and the last tied index, bisected with counting passes; then collect them."""
@@ -506,7 +519,7 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
         )
         return choose(collect(K, top, last)[0])
 
-    return jax.lax.cond(most(state[0]) > C, exact, fast)
+    return jax.lax.cond(most(buf) > C, exact, fast)
 
 
 def streamed_topk(q_index, w_index, q_pos, k_index, k_pos, *, topk: int, blocks: DSABlocks = DSABlocks()):
