@@ -22,31 +22,15 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.checkpoint.hf_common import CheckpointError
-from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import Config, MeshConfig
 from jaxmoe.data.tokenizer import BPETokenizer
 from jaxmoe.model import abstract_model
-from jaxmoe.train.loop import CHECKPOINT_DIR, TOKENIZER_FILE, stored_config
+from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, restore_model
 
 
 def _inference_config(cfg: Config) -> Config:
     moe = dataclasses.replace(cfg.model.moe, dispatch="dropless")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe), mesh=MeshConfig())
-
-
-def _from_training_checkpoints(root: pathlib.Path) -> tuple[Config, nnx.Module]:
-    with CheckpointManager(root) as mgr:
-        step = mgr.latest_step()
-        if step is None:
-            raise CheckpointError(f"checkpoint root {str(root)!r} holds no complete step")
-    cfg = stored_config(root, step)  # first, to build the restore target
-    graphdef, state = nnx.split(abstract_model(cfg.model))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), nnx.to_pure_dict(state))
-    with CheckpointManager(root) as mgr:
-        restored = mgr.restore(step, params=target)
-    nnx.replace_by_pure_dict(state, restored.params)
-    return restored.config, nnx.merge(graphdef, state)
 
 
 def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, BPETokenizer]:
@@ -57,11 +41,11 @@ def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, B
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {str(path)!r} is not a directory")
     if (path / CHECKPOINT_DIR).is_dir():
-        cfg, model = _from_training_checkpoints(path / CHECKPOINT_DIR)
+        cfg, model = restore_model(path / CHECKPOINT_DIR)
     elif (path / CONFIG_FILE).is_file():
         cfg, model = load_model(path)
     elif any(p.name.isdigit() for p in path.iterdir()):
-        cfg, model = _from_training_checkpoints(path)
+        cfg, model = restore_model(path)
     else:
         raise FileNotFoundError(
             f"--checkpoint {str(path)!r} is neither a training workdir (with {CHECKPOINT_DIR}/), a checkpoint "

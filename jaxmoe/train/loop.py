@@ -26,29 +26,28 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import (
     MESH_AXES,
-    MXFP4_WEIGHTS,
     Config,
     ConfigError,
-    MeshConfig,
-    from_config_dict,
-    validate,
     validate_training,
 )
 from jaxmoe.data.pipeline import PackedBatches, build_token_data, heldout_batches
 from jaxmoe.sharding import make_mesh
+from jaxmoe.train.checkpoints import (
+    CHECKPOINT_DIR,
+    EXPORT_DIR,
+    TOKENIZER_FILE,
+    export_in_subprocess,
+    stored_config,
+    write_export,
+)
 from jaxmoe.train.metrics import MetricsWriter, load_summary, measure_peak_flops, model_flops_per_token
 from jaxmoe.train.step import Trainer, TrainState, deep_merge
-
-TOKENIZER_FILE = "tokenizer.json"
-EXPORT_DIR = "export_mxfp4"
-CHECKPOINT_DIR = "checkpoints"
 
 
 def build_mesh(cfg: Config) -> jax.sharding.Mesh:
@@ -94,17 +93,6 @@ def _checkpoint_items(state: TrainState) -> tuple[dict, dict]:
     if state.indexer_opt_state is not None:
         opt["indexer"] = state.indexer_opt_state
     return deep_merge(state.params, state.router_bias), opt
-
-
-def stored_config(root: str | pathlib.Path, step: int) -> Config:
-    """The typed config saved with ``step`` under the checkpoint root ``root`` (read without the arrays)."""
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    try:
-        with ocp.CheckpointManager(pathlib.Path(root).absolute(), item_names=("config",), options=options) as mgr:
-            values = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    except Exception as e:  # noqa: BLE001 (a damaged or missing item: say which)
-        raise CheckpointError(f"checkpoint {str(root)!r} step {step}: its config cannot be read: {e}") from e
-    return from_config_dict(values)
 
 
 def _check_same_model(cfg: Config, stored: Config, where: pathlib.Path) -> None:
@@ -156,40 +144,24 @@ def _fetch(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def export_mxfp4(state: TrainState, cfg: Config, dst: pathlib.Path, tokenizer_file: pathlib.Path | None) -> str:
-    """Writes the model state with its routed experts in MXFP4 to ``dst`` (process 0); returns a note.
+def _export(state: TrainState, cfg: Config, ckpt: CheckpointManager, step: int, workdir: pathlib.Path, log) -> str:
+    """The MXFP4 export of the final params (once): in process when single-process, else from the checkpoint."""
+    dst = workdir / EXPORT_DIR
+    if dst.exists():
+        return str(dst)
+    tokenizer = workdir / TOKENIZER_FILE
+    if jax.process_count() == 1:
+        host = jax.tree.map(np.asarray, deep_merge(state.params, state.router_bias))
+        note = write_export(host, cfg, dst, tokenizer)
+    else:
+        note = ""
+        if jax.process_index() == 0:
+            note = export_in_subprocess(ckpt.directory, step, dst, tokenizer)
+        from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    The export's config keeps the training mesh when MXFP4 blocks (32 along each contracting dim)
-    divide over it, and otherwise names one device (a checkpoint restores onto any mesh whose
-    shardings divide the blocks).
-    """
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    from jaxmoe.checkpoint.io import write_checkpoint  # noqa: PLC0415
-    from jaxmoe.quant.qarray import quantize_state  # noqa: PLC0415
-
-    names = tuple(MXFP4_WEIGHTS)
-    model_cfg = dataclasses.replace(cfg.model, mxfp4_weights=names)
-    note = "training mesh"
-    export_cfg = dataclasses.replace(cfg, model=model_cfg)
-    try:
-        validate(export_cfg)
-    except ConfigError as e:
-        export_cfg = dataclasses.replace(export_cfg, mesh=MeshConfig())
-        try:
-            validate(export_cfg)
-        except ConfigError as e1:
-            return f"skipped: routed experts are not MXFP4-packable ({e1})"
-        note = f"one-device mesh (not packable on the training mesh: {e})"
-    host = multihost_utils.process_allgather(deep_merge(state.params, state.router_bias), tiled=True)
-    if jax.process_index() == 0:
-        packed = jax.tree.map(np.asarray, quantize_state(host, model_cfg))
-        leaves = jax.tree_util.tree_flatten_with_path(packed)[0]
-        arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp), v) for kp, v in leaves)
-        write_checkpoint(dst, export_cfg, arrays)
-        if tokenizer_file is not None:
-            (dst / TOKENIZER_FILE).write_bytes(tokenizer_file.read_bytes())
-    return note
+        multihost_utils.sync_global_devices("jaxmoe_export")
+    log(f"MXFP4 export: {dst} ({note})")
+    return note if note.startswith("skipped") else str(dst)
 
 
 def train(
@@ -302,13 +274,7 @@ def train(
             ckpt.wait_until_finished()
             summary["step"] = step
             if step == t.steps and t.export_mxfp4 and stop_after is None:
-                dst = workdir / EXPORT_DIR
-                if dst.exists():
-                    summary["export"] = str(dst)
-                else:
-                    note = export_mxfp4(state, cfg, dst, tokenizer_file)
-                    summary["export"] = note if note.startswith("skipped") else str(dst)
-                    log(f"MXFP4 export: {summary['export']} ({note})")
+                summary["export"] = _export(state, cfg, ckpt, step, workdir, log)
         finally:
             bar.close()
             ckpt.close()

@@ -10,6 +10,8 @@ import sys
 import numpy as np
 from conftest import ROOT, TINY_TRAIN  # noqa: F401 (pytest puts this directory on sys.path)
 
+from jaxmoe.checkpoint.io import load_model
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -28,7 +30,7 @@ def test_two_processes_equal_one(run, flags, tmp_path):
     }
     env.pop("JAX_NUM_CPU_DEVICES", None)
     argv = [sys.executable, "-m", "jaxmoe", "train", "--config", TINY_TRAIN, "--workdir", str(workdir), *flags]
-    argv += ["--config.export_mxfp4=false", "--no-progress", "--coordinator_address", f"127.0.0.1:{port}"]
+    argv += ["--no-progress", "--coordinator_address", f"127.0.0.1:{port}"]
     procs = [
         subprocess.Popen(
             [*argv, "--num_processes", "2", "--process_id", str(i)],
@@ -59,3 +61,7 @@ def test_two_processes_equal_one(run, flags, tmp_path):
         # Cross-process all-reduces (gloo) sum in another order than in-process ones: fp32 rounding, not bits.
         np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=2e-6, atol=0)
     assert [r["expert_load"] for r in records] == [run.values("expert_load")[s] for s in range(1, 7)]
+    # The MXFP4 export (written by process 0 through a one-process child) restores.
+    export_cfg, _ = load_model(workdir / "export_mxfp4")
+    assert export_cfg.model.mxfp4_weights == ("w_gate", "w_up", "w_down")
+    assert stdout[-1]["export"] == str(workdir / "export_mxfp4")

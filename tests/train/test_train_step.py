@@ -171,7 +171,9 @@ def _small_model_cfg(cfg, kinds=("dsa",)):
 
 
 def test_remat_same_losses_and_grads(cfg, batch):
-    cfg = _small_model_cfg(dataclasses.replace(cfg, mesh=MeshConfig()))
+    # An mla layer: what the layer sows (router choices, MoE stats) must come out of jax.checkpoint;
+    # a dsa layer's sown input takes the same path (and costs ~30 s more compilation on CPU).
+    cfg = _small_model_cfg(dataclasses.replace(cfg, mesh=MeshConfig()), kinds=("mla",))
     model = create_model(cfg.model, seed=1)
     graphdef, params, bias = nnx.split(model, nnx.Param, RouterBias)
     params, bias = nnx.to_pure_dict(params), nnx.to_pure_dict(bias)
@@ -187,17 +189,18 @@ def test_remat_same_losses_and_grads(cfg, batch):
         results[remat] = (total, out, grads)
     (t0, o0, g0), (t1, o1, g1) = results[False], results[True]
     assert float(t1) == pytest.approx(float(t0), abs=1e-6)
-    assert float(o1.indexer_kl) == pytest.approx(float(o0.indexer_kl), abs=1e-7)  # sown values survive remat
+    assert float(o1.seq_aux) == pytest.approx(float(o0.seq_aux), abs=1e-6)  # sown values survive remat
+    assert float(o1.seq_aux) > 0
     np.testing.assert_array_equal(o1.expert_load[0], o0.expert_load[0])
     for (path, a), (_, b) in zip(_leaves(g1), _leaves(g0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
 
 
 def test_bf16_compute_with_fp32_master_weights(cfg, batch):
-    cfg = _small_model_cfg(dataclasses.replace(cfg, mesh=MeshConfig(data=8)), kinds=("mla",))
+    cfg = _small_model_cfg(dataclasses.replace(cfg, mesh=MeshConfig()), kinds=("mla",))
     cfg = _replace(cfg, dsa=dataclasses.replace(cfg.train.dsa, warmup_steps=0))
     bf16 = _with_model(cfg, dtype="bfloat16", param_dtype="float32")
-    mesh = make_mesh(cfg.mesh)
+    mesh = make_mesh(cfg.mesh, devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
         trainer = Trainer(bf16, mesh)
         state = trainer.init_state(0)

@@ -1,0 +1,136 @@
+"""What a training workdir holds besides the live run: its checkpoints read back on one device,
+and the MXFP4 export of the final params.
+
+The export is a model checkpoint (:mod:`jaxmoe.checkpoint.io`: ``config.json``, ``checksums.json``,
+``params/``) with the routed experts packed in MXFP4, plus the tokenizer, so ``jaxmoe generate``
+and ``jaxmoe logits`` read it alone. That writer is single-process, so a multi-process run exports
+from process 0 through a child process on the CPU backend that restores the final training
+checkpoint (``python -m jaxmoe.train.checkpoints ROOT STEP DST [TOKENIZER]``); the other processes
+wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxmoe.checkpoint.hf_common import CheckpointError
+from jaxmoe.checkpoint.manager import CheckpointManager
+from jaxmoe.config import MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, from_config_dict, validate
+from jaxmoe.model import abstract_model
+
+CHECKPOINT_DIR = "checkpoints"
+TOKENIZER_FILE = "tokenizer.json"
+EXPORT_DIR = "export_mxfp4"
+
+
+def stored_config(root: str | pathlib.Path, step: int) -> Config:
+    """The typed config saved with ``step`` under the checkpoint root ``root`` (read without the arrays)."""
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    try:
+        with ocp.CheckpointManager(pathlib.Path(root).absolute(), item_names=("config",), options=options) as mgr:
+            values = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except Exception as e:  # noqa: BLE001 (a damaged or missing item: say which)
+        raise CheckpointError(f"checkpoint {str(root)!r} step {step}: its config cannot be read: {e}") from e
+    return from_config_dict(values)
+
+
+def restore_model(root: str | pathlib.Path, step: int | None = None) -> tuple[Config, nnx.Module]:
+    """The model state (router biases included) of a training checkpoint step (default: the newest), on one device."""
+    root = pathlib.Path(root).absolute()
+    if step is None:
+        with CheckpointManager(root) as mgr:
+            step = mgr.latest_step()
+        if step is None:
+            raise CheckpointError(f"checkpoint root {str(root)!r} holds no complete step")
+    cfg = stored_config(root, step)  # first, to build the restore target
+    graphdef, state = nnx.split(abstract_model(cfg.model))
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), nnx.to_pure_dict(state))
+    with CheckpointManager(root) as mgr:
+        restored = mgr.restore(step, params=target)
+    nnx.replace_by_pure_dict(state, restored.params)
+    return restored.config, nnx.merge(graphdef, state)
+
+
+# --------------------------------------------------------------------------------------------
+# MXFP4 export
+
+
+def export_config(cfg: Config) -> tuple[Config | None, str]:
+    """The export's config (routed experts in MXFP4) and a note; ``(None, reason)`` if not packable.
+
+    The training mesh is kept when MXFP4 blocks (32 along each contracting dim) divide over it;
+    otherwise the config names one device (a checkpoint restores onto any mesh that divides them).
+    """
+    model = dataclasses.replace(cfg.model, mxfp4_weights=tuple(MXFP4_WEIGHTS))
+    out = dataclasses.replace(cfg, model=model)
+    try:
+        validate(out)
+        return out, "training mesh"
+    except ConfigError as e:
+        out = dataclasses.replace(out, mesh=MeshConfig())
+        try:
+            validate(out)
+        except ConfigError as e1:
+            return None, f"skipped: routed experts are not MXFP4-packable ({e1})"
+        return out, f"one-device mesh (not packable on the training mesh: {e})"
+
+
+def write_export(state: dict, cfg: Config, dst: pathlib.Path, tokenizer_file: pathlib.Path | None) -> str:
+    """Quantizes the float model state ``state`` (host arrays) and writes the export to ``dst``; returns a note."""
+    from jaxmoe.checkpoint.io import write_checkpoint  # noqa: PLC0415
+    from jaxmoe.quant.qarray import quantize_state  # noqa: PLC0415
+
+    out_cfg, note = export_config(cfg)
+    if out_cfg is None:
+        return note
+    packed = jax.tree.map(np.asarray, quantize_state(state, out_cfg.model))
+    leaves = jax.tree_util.tree_flatten_with_path(packed)[0]
+    arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp), v) for kp, v in leaves)
+    write_checkpoint(dst, out_cfg, arrays)
+    if tokenizer_file is not None:
+        (dst / TOKENIZER_FILE).write_bytes(pathlib.Path(tokenizer_file).read_bytes())
+    return note
+
+
+def export_from_checkpoint(root, step: int, dst, tokenizer_file=None) -> str:
+    """The export of a training checkpoint step, restored on one device (single process)."""
+    cfg, model = restore_model(root, step)
+    state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    return write_export(state, cfg, pathlib.Path(dst).absolute(), tokenizer_file)
+
+
+def export_in_subprocess(root, step: int, dst, tokenizer_file=None) -> str:
+    """:func:`export_from_checkpoint` in a child process on the CPU backend (from a multi-process run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    argv = [sys.executable, "-m", "jaxmoe.train.checkpoints", str(root), str(step), str(dst)]
+    if tokenizer_file is not None:
+        argv.append(str(tokenizer_file))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise CheckpointError(f"MXFP4 export of {root}/{step} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["note"]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (3, 4):
+        print("usage: python -m jaxmoe.train.checkpoints ROOT STEP DST [TOKENIZER]", file=sys.stderr)
+        return 2
+    note = export_from_checkpoint(argv[0], int(argv[1]), argv[2], argv[3] if len(argv) == 4 else None)
+    print(json.dumps({"note": note}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
