@@ -76,7 +76,7 @@ def get_config(arg=None):
         eps=1e-8,
         grad_clip=1.0,
     )
-    c.moe_balance = dict(bias_rate=1e-3, seq_aux_loss_weight=1e-4)
+    c.moe_balance = dict(bias_rate=1e-2, seq_aux_loss_weight=1e-4)
     c.dsa = dict(warmup_steps=10, warmup_learning_rate=1e-3, indexer_loss_weight=1.0)
     c.data = dict(max_bytes=2_000_000, heldout_fraction=0.02, cache_dir="")
     return c

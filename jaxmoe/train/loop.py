@@ -213,6 +213,7 @@ def train(
             log(f"resumed from step {step} ({ckpt.step_dir(step)})")
         writer = MetricsWriter(workdir, resume_step=step, stdout=stdout, enabled=is_main)
         tokens_per_step = t.batch_size * t.seq_len
+        flops_per_token = {stage: model_flops_per_token(cfg, stage) for stage in ("warmup", "main")}
         compiled: dict[str, Any] = {}
         summary: dict[str, Any] = {"step": step}
         bar = tqdm(total=t.steps, initial=step, disable=not (progress and is_main), file=sys.stderr, unit="step")
@@ -237,7 +238,7 @@ def train(
                     step_time = (now - last_time) / (step - last_step)
                     last_time, last_step = now, step
                     tokens_per_s = tokens_per_step / step_time
-                    flops = model_flops_per_token(cfg, stage)
+                    flops = flops_per_token[stage]
                     record = {
                         "step": step,
                         "stage": stage,

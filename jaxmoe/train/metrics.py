@@ -145,6 +145,14 @@ def _flat_scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, floa
     return out
 
 
+def _step_of(line: str) -> float:
+    """The step of a ``metrics.jsonl`` line; a line cut short by a kill counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsWriter:
     """Writes each record as a JSON line to stdout and ``workdir/metrics.jsonl``, scalars to TensorBoard.
 
@@ -163,11 +171,7 @@ class MetricsWriter:
         workdir = pathlib.Path(workdir)
         self.path = workdir / "metrics.jsonl"
         if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 (kept open for the run)
         self._events = EventWriter(workdir / "tensorboard")

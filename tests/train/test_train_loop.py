@@ -129,3 +129,14 @@ def test_tensorboard_events_match_metrics(run):
         assert scalars["expert_load/0/3"] == r["expert_load"]["0"][3]
         if "heldout_loss" in r:
             assert scalars["heldout_loss"] == np.float32(r["heldout_loss"])
+
+
+def test_metrics_writer_keeps_steps_up_to_the_checkpoint(tmp_path):
+    from jaxmoe.train.metrics import MetricsWriter  # noqa: PLC0415
+
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "lo')  # killed mid-line
+    writer = MetricsWriter(tmp_path, resume_step=3, stdout=False)
+    writer.write({"step": 4, "loss": 0.5})
+    writer.close()
+    assert _values(tmp_path) == {1: 1.0, 2: 0.5, 3: 1.0 / 3, 4: 0.5}
