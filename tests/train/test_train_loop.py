@@ -4,6 +4,7 @@ kill-and-resume equal to the uninterrupted run bit for bit; resume onto another 
 import dataclasses
 import json
 import math
+import pathlib
 import shutil
 
 import numpy as np
@@ -140,3 +141,16 @@ def test_metrics_writer_keeps_steps_up_to_the_checkpoint(tmp_path):
     writer.write({"step": 4, "loss": 0.5})
     writer.close()
     assert _values(tmp_path) == {1: 1.0, 2: 0.5, 3: 1.0 / 3, 4: 0.5}
+
+
+def test_export_config_falls_back_to_one_device():
+    from jaxmoe.config import load_config  # noqa: PLC0415
+    from jaxmoe.train.checkpoints import export_config  # noqa: PLC0415
+
+    tiny = load_config(pathlib.Path(__file__).parents[2] / "configs/tiny.py")  # tensor 2: w_down's 32 cannot split
+    out, note = export_config(tiny)
+    assert out.mesh == MeshConfig() and out.model.mxfp4_weights == ("w_gate", "w_up", "w_down")
+    assert note.startswith("one-device mesh") and "model.moe.expert_ffw_dim" in note
+    odd = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, d_model=48), mesh=MeshConfig())
+    out, note = export_config(odd)
+    assert out is None and note.startswith("skipped") and "model.d_model" in note
