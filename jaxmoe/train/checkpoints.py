@@ -35,7 +35,7 @@ EXPORT_DIR = "export_mxfp4"
 
 def stored_config(root: str | pathlib.Path, step: int) -> Config:
     """The typed config saved with ``step`` under the checkpoint root ``root`` (read without the arrays)."""
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    options = ocp.CheckpointManagerOptions(create=False)
     try:
         with ocp.CheckpointManager(pathlib.Path(root).absolute(), item_names=("config",), options=options) as mgr:
             values = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
