@@ -517,11 +517,6 @@ def _validate_train(cfg: Config) -> None:
         _positive(getattr(t, f), f)
     for f in ("eval_every", "checkpoint_every"):
         _require(getattr(t, f) >= 0, f, f"must be >= 0 (0: only at the end), got {getattr(t, f)}")
-    _require(
-        t.seq_len <= cfg.model.max_context,
-        "seq_len",
-        f"{t.seq_len} is longer than model.max_context={cfg.model.max_context}",
-    )
     _require(t.peak_flops >= 0, "peak_flops", f"must be >= 0 (0: measure), got {t.peak_flops}")
     _require(o.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {o.learning_rate}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
@@ -556,6 +551,7 @@ def validate_training(cfg: Config) -> None:
         ConfigError: naming the field and what is allowed.
     """
     t, m, mesh = cfg.train, cfg.model, cfg.mesh
+    _require(t.seq_len <= m.max_context, "seq_len", f"{t.seq_len} is longer than model.max_context={m.max_context}")
     batch_shards = mesh.data * mesh.fsdp * mesh.expert
     _require(
         t.batch_size % batch_shards == 0,

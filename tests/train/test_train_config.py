@@ -91,7 +91,6 @@ BAD_CONFIGS = {
     "min_lr_ratio": (("optim.min_lr_ratio", "1.5"), "optim.min_lr_ratio"),
     "b2": (("optim.b2", "1.0"), "optim.b2"),
     "heldout fraction": (("data.heldout_fraction", "0"), "data.heldout_fraction"),
-    "seq_len over max_context": (("seq_len", "8192"), "seq_len"),
     "negative bias rate": (("moe_balance.bias_rate", "-0.1"), "moe_balance.bias_rate"),
     "eval_every": (("eval_every", "-1"), "eval_every"),
 }
@@ -133,6 +132,7 @@ MESH_DEPENDENT = {
         ["seq_len", "model.kda.conv_kernel"],
     ),
     "vocab below the tokenizer's": ((("model.vocab_size", "256"),), ["model.vocab_size", "257"]),
+    "seq_len over max_context": ((("seq_len", "8192"),), ["seq_len", "model.max_context=4096"]),
     "mxfp4 weights during training": (
         (("model.mxfp4_weights", "w_gate"), ("mesh.data", "4"), ("mesh.context", "1")),
         ["model.mxfp4_weights", "export_mxfp4"],
