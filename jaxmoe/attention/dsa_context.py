@@ -15,8 +15,8 @@ memory long before a 1M-token context. :func:`sparse_dsa` computes the same resu
    buffer. Keys exactly *at* the bound (ReLU zeros tie by the thousand) are kept as a bitmask and
    taken lowest index first, as ``top_k`` breaks ties. A query whose candidates overflow the
    buffer (few keys seen, or a loose bound) refines the bound from its buffer's own K-th entry and
-   collects again; after ``rounds`` refinements the chunk bisects its K-th score with counting
-   passes (exact, slow, rare). Key blocks past the last visible one are skipped.
+   collects again, each round dropping at least ``(buffer - 1) K`` candidates. Key blocks past the
+   last visible one are skipped.
 2. **Attention, gathered.** Each query attends, in the absorbed (MQA-over-latent) form, to the
    ``C + R`` latent entries it selected, ``attn_block_q`` queries at a time, with an online
    softmax; the per-block work is rematerialised in the backward pass.
@@ -65,7 +65,7 @@ class DSABlocks:
         attn_block_q: queries whose ``K`` selected latents are gathered together.
         append: entries per query a key block writes to the candidate buffer per round.
         buffer: candidates buffered per query, in multiples of K (at least 2).
-        rounds: bound refinements (one pass over the keys each) before the exact fallback.
+        rounds: refinements at 16-bit resolution (one pass over the keys each) before exact ones.
     """
 
     query_chunk: int = 1024
@@ -290,7 +290,7 @@ class _Layout:
     """Static sizes of one selection: K kept, bk keys per block (``bits`` per mask word), ``group``
     keys per group maximum, ``slots`` key slots over all shards (padded), ``index_bound`` > every
     global index, ``ring`` shards, ``S``/``S_pad`` keys per shard, ``append`` entries written per
-    round, ``buffer`` candidates per query, ``rounds`` refinements before the exact fallback."""
+    round, ``buffer`` candidates per query, ``rounds`` 16-bit refinements before exact ones."""
 
     K: int
     bk: int
@@ -318,8 +318,8 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
     Pass 1 stores, per query, the maximum of every ``group`` keys (16-bit keys, ``[bq, slots /
     group]``) and bisects them for :func:`_group_bound`. Pass 2 appends the keys scoring at least
     the bound to a buffer (typically about K of them), and the exact top-K is chosen within it.
-    Should a query's candidates overflow the largest buffer (many ties, or adversarial scores),
-    the chunk instead bisects its K-th score and tied index with counting passes over the keys.
+    Should a query's candidates overflow the buffer (few keys seen, or a loose bound), the K-th of
+    its buffered entries (a subset of its keys) becomes its bound and it collects again.
     """
     nq, B, bq = qp.shape
     K, bk, ring = lay.K, lay.bk, lay.ring
@@ -378,25 +378,17 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
     else:  # fewer groups than K in all: no bound
         bound = _varying(jnp.full((nq, B, bq), -jnp.inf, jnp.float32), q_idx)
 
-    def taker(top, last):  # entries with key > top, or key == top and index <= last, visible
-        def take(s, gidx):
-            key = _sortable(s)
-            return (s > -jnp.inf) & ((key > top[..., None]) | ((key == top[..., None]) & (gidx <= last[..., None])))
+    def collect(C, top, tied=None):
+        """Buffers the visible entries with ``key > top``.
 
-        return take
-
-    def collect(C, top, last=None, tied=None):
-        """Buffers the entries with ``key > top``, or ``key == top`` and ``index <= last``.
-
-        With ``tied`` (a key per query; ``last`` is then None) the entries with exactly that key
-        are not buffered but marked in a bitmask over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order =
-        slot order), for :func:`add_ties`: ReLU zeros tie by the thousand.
+        With ``tied`` (a key per query) the entries with exactly that key are marked in a bitmask
+        over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order = slot order) for
+        :func:`add_ties`: ReLU zeros tie by the thousand.
         """
 
         def add(carry, i, s, slot_base, index_base):
             buf, marks = carry
-            no_ties = jnp.full(top[i].shape, -1, jnp.int32)
-            take = taker(top[i], no_ties if last is None else last[i])(s, index_base + jnp.arange(bk, dtype=jnp.int32))
+            take = (s > -jnp.inf) & (_sortable(s) > top[i][..., None])
             buf = _append(buf, s, take, index_base, M=lay.append, bits=lay.bits)
             if marks is not None:
                 at = (s > -jnp.inf) & (_sortable(s) == tied[i][..., None])
@@ -437,19 +429,8 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
         return jax.lax.map(one, (chosen, n_chosen, marks, value))
 
     def choose(buf):
-        """:func:`_choose` a query block at a time, over the shortest buffer prefix that holds its entries."""
-        C = buf[0].shape[-1]
-        sizes = sorted({min(z, C) for z in (K + K // 4, 2 * K, C)})
-
-        def one(b):
-            most = jnp.max(b[2])
-            fns = [
-                functools.partial(lambda z, b: _choose((b[0][..., :z], b[1][..., :z], b[2]), K, lay.index_bound), z)
-                for z in sizes
-            ]
-            return jax.lax.switch(sum((most > z).astype(jnp.int32) for z in sizes[:-1]), fns, b)
-
-        return jax.lax.map(one, buf)
+        """:func:`_choose` a query block at a time."""
+        return jax.lax.map(lambda b: _choose(b, K, lay.index_bound), buf)
 
     def most(buf):
         return uniform(jnp.max(buf[2]))
@@ -465,61 +446,36 @@ def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
     # buffer - K candidates.
     top = _sortable(bound)
 
-    def raise_bound(xs):
+    def raise_bound(xs, exact_only):
         """A higher bound for one query block: its buffer's K-th entry at 16-bit resolution (cheap),
-        exact where that is no higher than the current bound."""
+        exact where that is no higher than the current bound, or after ``rounds`` rounds (the
+        exact K-th leaves fewer than K of the buffered entries above it, so each round then
+        drops at least ``buffer - K`` candidates: the loop ends)."""
         vals, idx, n, top = xs
         held = jnp.arange(C) < jnp.minimum(n, C)[..., None]
         keys16 = jnp.where(held, _sortable(vals) >> 16, _KEY16_NEG_INF).astype(jnp.int16)
         coarse = _sortable(_group_bound(keys16, K))
-        stuck = (n > C) & (coarse <= top)
+        stuck = (n > C) & ((coarse <= top) | exact_only)
         exact = lambda: _kth((vals, idx, n), K, lay.index_bound)[0]  # noqa: E731
         return jnp.where(stuck, jax.lax.cond(jnp.any(stuck), exact, lambda: coarse), coarse)
 
-    def refine(state):
+    def refine(state):  # one collection per round (one traced copy of the pass: compile time)
         (buf, marks), top, r = state
-        over = buf[2] > C
-        top = jnp.where(over, jax.lax.map(raise_bound, (*buf, top)), top)
+        over = buf[2] > C  # never in round 0 (empty buffer)
+        top = jnp.where(over, jax.lax.map(lambda xs: raise_bound(xs, r > lay.rounds), (*buf, top)), top)
         return collect(C, top, tied=top), top, r + 1
 
-    state = (collect(C, top, tied=top), top, jnp.zeros((), jnp.int32))
-    (buf, marks), top, _ = jax.lax.while_loop(lambda st: (most(st[0][0]) > C) & (st[2] < lay.rounds), refine, state)
-
-    def fast():
-        chosen = choose(buf)
-        n = jnp.minimum(buf[2], K)  # entries above the bound (all chosen when fewer than K)
-        value = _unsortable(top)
-        return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, value), lambda: chosen)
-
-    def exact():
-        """The K-th score and the last tied index, bisected with counting passes; then collect them."""
-
-        def count(pred):
-            def add(c, i, s, _, index_base):
-                return c + jnp.sum(pred(i, s, index_base + jnp.arange(bk, dtype=jnp.int32)), axis=-1)
-
-            return ring_pass(_varying(jnp.zeros((nq, B, bq), jnp.int32), q_idx), add)
-
-        visible = count(lambda i, s, g: s > -jnp.inf)
-        need = jnp.minimum(visible, K)
-        top = _bisect(
-            lambda v: count(lambda i, s, g: (s > -jnp.inf) & (_sortable(s) >= v[i][..., None])) >= need,
-            jnp.full(need.shape, _NEG_INF_KEY, jnp.int32),
-            jnp.full(need.shape, jnp.iinfo(jnp.int32).max, jnp.int32),
-            32,
-            need,
-        )
-        m = need - count(lambda i, s, g: (s > -jnp.inf) & (_sortable(s) > top[i][..., None]))
-        last = _bisect(
-            lambda v: count(lambda i, s, g: (_sortable(s) == top[i][..., None]) & (g < v[i][..., None])) < m,
-            jnp.full(need.shape, -1, jnp.int32),
-            jnp.full(need.shape, lay.index_bound, jnp.int32),
-            max(lay.index_bound + 1, 2).bit_length() + 1,
-            need,
-        )
-        return choose(collect(K, top, last)[0])
-
-    return jax.lax.cond(most(buf) > C, exact, fast)
+    empty = (
+        jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
+        jnp.zeros((nq, B, bq, C), jnp.int32),
+        jnp.zeros((nq, B, bq), jnp.int32),
+    )
+    marks = jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
+    state = (jax.tree.map(lambda x: _varying(x, q_idx), (empty, marks)), top, jnp.zeros((), jnp.int32))
+    (buf, marks), top, _ = jax.lax.while_loop(lambda st: (st[2] == 0) | (most(st[0][0]) > C), refine, state)
+    chosen = choose(buf)
+    n = jnp.minimum(buf[2], K)  # entries above the bound (all chosen when fewer than K)
+    return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, _unsortable(top)), lambda: chosen)
 
 
 def streamed_topk(q_index, w_index, q_pos, k_index, k_pos, *, topk: int, blocks: DSABlocks = DSABlocks()):

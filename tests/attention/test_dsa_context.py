@@ -99,11 +99,11 @@ def test_streamed_topk_equals_dense_topk(seed):
     np.testing.assert_allclose(np.where(valid, vals, 0), np.where(valid, picked, 0), atol=ATOL, rtol=0)
 
 
-# Each path of the selection alone: every query's candidates fit the buffer; the exact bisection
-# whenever they do not; bound refinement rounds until they do.
+# Each path of the selection alone: every query's candidates fit the buffer; refinement rounds
+# with the exact K-th of the buffer from the start (rounds=0); 16-bit refinements first.
 PATHS = {
     "fits": DSABlocks(query_chunk=24, block_q=8, block_k=12, group=3, attn_block_q=4, append=2, buffer=7),
-    "exact_only": DSABlocks(
+    "exact_refinement": DSABlocks(
         query_chunk=16, block_q=8, block_k=16, group=4, attn_block_q=4, append=4, buffer=2, rounds=0
     ),
     "refined": DSABlocks(
