@@ -32,7 +32,9 @@ def test_local_sh_trains_saves_and_samples(tmp_path):
         "--config.dsa.warmup_steps=2",
         "--config.eval_every=2",
         "--config.checkpoint_every=2",
-        "--config.data.max_bytes=300000",
+        "--config.data.max_bytes=400000",
+        "--config.data.heldout_fraction=0.2",
+        "--config.eval_batches=1",
     )
     out = _run(tmp_path / "run", *flags)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -40,7 +42,7 @@ def test_local_sh_trains_saves_and_samples(tmp_path):
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == [1, 2, 3, 4]
     assert {"step", "loss", "tokens_per_s", "mfu", "lr", "grad_norm"} <= set(records[-1])
-    assert {r["stage"] for r in records if "stage" in r} == {"warmup", "sparse"}
+    assert {r["stage"] for r in records if "stage" in r} == {"warmup", "main"}
     assert (tmp_path / "run" / "export_mxfp4").is_dir()
     sample = out.stdout.split("== jaxmoe generate", 1)[1].split("\n", 1)[1]
     assert sample.strip(), out.stdout[-2000:]
