@@ -29,6 +29,8 @@ after the timed steps with :func:`jaxmoe.train.metrics.measure_peak_flops` (best
 measurements, of a few sizes, of all devices at once and of one device alone, which on XLA:CPU
 also uses every core). ``mfu_train_loop`` is the figure ``jaxmoe train`` logs: against the
 per-device peak measured with all devices busy at once, times the device count.
+``xla_flops_per_token`` is XLA's cost analysis of the compiled step, for comparison only: it
+counts a while loop's body once, so the MoE's grouped-matmul tile loops are undercounted.
 
 On a machine other processes share, wall-clock figures move with their load (``loadavg_1_5_15min``;
 ``*_cpu_share`` is the fraction of all cores the process got during the steps). ``mfu_cpu_time``
