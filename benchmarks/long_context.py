@@ -185,24 +185,26 @@ def run_hf(n: int) -> dict:
     }
 
 
-def _subprocess(*flags, timeout=3600) -> dict | None:
-    """Runs this script with ``flags`` in a fresh process; its JSON line, or None if it failed."""
+def _subprocess(*flags, timeout=4 * 3600) -> dict:
+    """Runs this script with ``flags`` in a fresh process: its JSON line, or ``{"failed": why}``."""
     try:
         out = subprocess.run(
             [sys.executable, __file__, *flags], capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        return None
+        return {"failed": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if out.returncode == 0 and lines else None
+    if out.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return {"failed": f"exit {out.returncode}: " + " | ".join(out.stderr.strip().splitlines()[-3:])}
 
 
 def sweep(lengths, hf_timeout: float) -> None:
     results = []
     for n in lengths:
         r = _subprocess("--tokens", str(n))
-        if r is None:
-            print(json.dumps({"benchmark": "long_context", "tokens": n, "failed": True}), flush=True)
+        if "failed" in r:
+            print(json.dumps({"benchmark": "long_context", "tokens": n, **r}), flush=True)
             continue
         print(json.dumps(r), flush=True)
         results.append(r)
@@ -218,9 +220,13 @@ def sweep(lengths, hf_timeout: float) -> None:
     }
     for n in HF_LENGTHS:  # HF builds [T, T] index scores and masks: find the longest it fits
         hf = _subprocess("--hf", "--tokens", str(n), timeout=hf_timeout)
-        if hf is None:
+        if "failed" in hf:
+            print(json.dumps({"benchmark": "long_context_hf_deepseek_v32", "tokens": n, **hf}), flush=True)
             continue
         ours = _subprocess("--tokens", str(n))
+        if "failed" in ours:
+            print(json.dumps({"benchmark": "long_context", "tokens": n, **ours}), flush=True)
+            break
         summary.update(
             hf_tokens=n,
             hf_seconds=hf["seconds"],

@@ -9,7 +9,8 @@ gradient (the reference runs the indexer under ``no_grad``); the indexer is trai
 loss (``jaxmoe.train.dsa_loss``).
 
 Two paths compute the layer. :meth:`DSA.__call__` runs :func:`jaxmoe.attention.dsa_context.sparse_dsa`:
-the indexer scores stream block by block into a running top-K per query and each query gathers
+the indexer scores stream block by block (a bound on each query's K-th score, then the few keys
+above it) and each query gathers
 only its K selected latents, so no ``[T, S]`` array exists; with a ``context`` mesh axis it runs
 context-parallel (keys and latents go round the ring). :meth:`DSA.select` and
 :meth:`DSA.sparse_attention` are the dense reference: ``[B, T, S]`` index scores, ``top_k``, a

@@ -3,24 +3,27 @@
 The dense DSA path (:meth:`jaxmoe.attention.dsa.DSA.select` then ``sparse_attention``) scores
 every query against every key, ``[B, T, S]``, and gathers ``[B, T, K, C]``; both grow past any
 memory long before a 1M-token context. :func:`sparse_dsa` computes the same result with memory
-``O(T K / chunks + block_q block_k)``:
+``O(query_chunk (S / group + buffer K) + block_q block_k)``:
 
-1. **Selection, streamed.** Queries are taken a *chunk* at a time (``query_chunk``); for the
-   chunk, every key block is scored (``[B, block_q, block_k]``) and merged into a running
-   top-K (values and global key indices, ``[B, query_chunk, K]``, unsorted). A merge only moves
-   the block entries that beat the query's current K-th value: their count ``c`` (the largest
-   over the block's queries) picks a static bucket ``M >= c``; the block's top-M candidates are
-   found through group maxima (``top_k`` over ``block_k / group`` maxima, then over the M
-   chosen groups), merged with the running set's M smallest, and the best M written back in
-   their slots. Scores of later key blocks beat the threshold rarely, so most merges are small.
-   Key blocks no query of the block can see are skipped.
+1. **Selection, in two passes over the keys.** Queries are taken a *chunk* at a time
+   (``query_chunk``), scored ``block_q`` by ``block_k`` (``[B, block_q, block_k]``, never more).
+   Pass 1 keeps each query's maximum over every ``group`` keys (as 16-bit order-preserving keys):
+   if K groups reach a value, so do K scores, so the K-th largest group maximum bounds the
+   query's K-th score from below (found by bisection over the maxima). Pass 2 buffers only the
+   keys above the bound (about K of them once the query sees many more than ``K * group`` keys),
+   located through one uint32 mask word per 32 keys, and the exact top-K is bisected within the
+   buffer. Keys exactly *at* the bound (ReLU zeros tie by the thousand) are kept as a bitmask and
+   taken lowest index first, as ``top_k`` breaks ties. A query whose candidates overflow the
+   buffer (few keys seen, or a loose bound) refines the bound from its buffer's own K-th entry and
+   collects again, each round dropping at least ``(buffer - 1) K`` candidates. Key blocks past the
+   last visible one are skipped.
 2. **Attention, gathered.** Each query attends, in the absorbed (MQA-over-latent) form, to the
    ``C + R`` latent entries it selected, ``attn_block_q`` queries at a time, with an online
    softmax; the per-block work is rematerialised in the backward pass.
 
 **Context parallelism** (mesh axis ``context`` of size P > 1, inside ``jax.shard_map``): each
-shard keeps its queries; for every query chunk, the indexer keys (with their positions) travel
-round the ring with ``ppermute`` and the running top-K absorbs each visiting shard; then the
+shard keeps its queries; for every query chunk and pass, the indexer keys (with their positions)
+travel round the ring with ``ppermute`` and every visiting shard's keys are scored; then the
 latents travel round the ring and each query's online softmax absorbs the selected entries that
 belong to the visiting shard (a shard none of a block's selections falls in is skipped). Key
 indices are global (``shard * S_local + s``), so the selection equals the unsharded one. No
@@ -53,27 +56,34 @@ class DSABlocks:
     """Block sizes of :func:`sparse_dsa` (static; results do not depend on them).
 
     Attributes:
-        query_chunk: queries per pass over all keys; the running top-K is ``[B, query_chunk, K]``
-            and, under context parallelism, the keys and latents go round the ring once per chunk.
+        query_chunk: queries selected together; under context parallelism the keys go round the
+            ring once per pass per chunk. Memory per chunk: ``query_chunk * slots / group`` int16
+            group maxima and ``query_chunk * buffer * K`` candidate entries.
         block_q: queries scored together against a key block.
-        block_k: keys per scored block; larger blocks amortise the per-merge ``O(K)`` work.
-        group: keys per group in the candidate pre-filter of a merge.
+        block_k: keys per scored block.
+        group: keys per group maximum (the bound of pass 1).
         attn_block_q: queries whose ``K`` selected latents are gathered together.
-        min_bucket: smallest candidate count a merge handles (buckets grow by 4x up to K).
+        append: entries per query a key block writes to the candidate buffer per round.
+        buffer: candidates buffered per query, in multiples of K (at least 2).
+        rounds: refinements at 16-bit resolution (one pass over the keys each) before exact ones.
     """
 
-    query_chunk: int = 8192
-    block_q: int = 256
-    block_k: int = 16384
+    query_chunk: int = 1024
+    block_q: int = 64
+    block_k: int = 2048
     group: int = 32
     attn_block_q: int = 64
-    min_bucket: int = 16
+    append: int = 32
+    buffer: int = 4
+    rounds: int = 16
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or v < (0 if f.name == "rounds" else 1):
                 raise ValueError(f"DSABlocks.{f.name} must be a positive integer, got {v!r}")
+        if self.buffer < 2:
+            raise ValueError(f"DSABlocks.buffer must be at least 2 (K per refinement round), got {self.buffer}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,111 +121,386 @@ def index_scores(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_p
 
 
 # --------------------------------------------------------------------------------------------
-# Streamed top-K
+# Streamed top-K: a group-maximum bound, then the few keys above it
 
 
-def _buckets(largest: int, smallest: int) -> tuple[int, ...]:
-    sizes, m = [], min(smallest, largest)
-    while m < largest:
-        sizes.append(m)
-        m *= 4
-    return (*sizes, largest)
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (``-inf`` lowest, ``-0.0`` equal to ``0.0``; no NaNs here)."""
+    b = jnp.where(x == 0, 0, jax.lax.bitcast_convert_type(x, jnp.int32))
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
-def _merge(vals, idx, s, base, *, buckets, group):
-    """Running top-K ``(vals, idx)[B, T, K]`` updated with block scores ``s[B, T, S]``.
+def _unsortable(key: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
 
-    ``base`` is the global index of ``s[..., 0]``. Only entries above a query's current K-th
-    value can enter; the bucket is the smallest static size holding the most any query has.
+
+_NEG_INF_KEY = -2139095041  # _sortable(-inf)
+_KEY16_NEG_INF = _NEG_INF_KEY >> 16  # its top 16 bits
+
+
+def _bisect(ok, lo, hi, iters: int, like):
+    """Largest ``v`` in ``[lo, hi)`` with ``ok(v)``, elementwise; ``ok`` is monotone (true below,
+    false above), ``ok(lo)`` holds and ``ok(hi)`` does not. ``iters >= log2(hi - lo)``. ``like``:
+    an array ``ok`` reads (the bounds vary over the same mesh axes)."""
+    lo, hi = _varying(lo, like), _varying(hi, like)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        good = ok(mid)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+    return jax.lax.fori_loop(0, iters, step, (lo, hi))[0]
+
+
+def _count(mask: jax.Array) -> jax.Array:
+    """``sum(mask, -1)`` as int32, through a matrix-vector product (XLA:CPU vectorises it; its
+    minor-axis reductions it does not). Exact below 2**24."""
+    ones = jnp.ones(mask.shape[-1], jnp.float32)
+    return jnp.einsum("...c,c->...", mask.astype(jnp.float32), ones, precision="highest").astype(jnp.int32)
+
+
+def _group_bound(gm16: jax.Array, K: int) -> jax.Array:
+    """A lower bound on each query's K-th largest score from its group maxima.
+
+    ``gm16[..., G]`` holds the top 16 bits of :func:`_sortable` of every group's maximum. If at
+    least K groups reach ``v``, so do at least K scores (one per group): the largest such ``v``
+    bounds the K-th score from below, within the 16-bit resolution, and all scores above the
+    bound lie in those groups. Fewer than K visible groups: ``-inf`` (every visible key).
     """
+    lo = jnp.full(gm16.shape[:-1], _KEY16_NEG_INF, jnp.int32)
+    hi = jnp.full(gm16.shape[:-1], 32768, jnp.int32)
+    v = _bisect(lambda v: _count(gm16 >= v[..., None].astype(gm16.dtype)) >= K, lo, hi, 17, gm16)
+    bound = _unsortable(jnp.maximum(v, _KEY16_NEG_INF + 1) << 16)
+    return jnp.where(v > _KEY16_NEG_INF, bound, -jnp.inf)
+
+
+def _select_bit(word: jax.Array, r: jax.Array, bits: int) -> jax.Array:
+    """Position of the ``r``-th (0-based) set bit of each uint32 ``word`` (``r`` < its popcount)."""
+    pos = jnp.zeros(word.shape, jnp.int32)
+    step = 1 << (bits - 1).bit_length() - 1 if bits > 1 else 0
+    while step:
+        cand = pos + step
+        below = jax.lax.population_count(word & ((jnp.uint32(1) << cand.astype(jnp.uint32)) - 1))
+        pos = jnp.where((cand < bits) & (below.astype(jnp.int32) <= r), cand, pos)
+        step >>= 1
+    return pos
+
+
+def _append(buf, s, take, idx_base, *, M: int, bits: int):
+    """Appends the entries of ``s[B, T, S]`` where ``take`` holds, in key order, to ``buf``.
+
+    ``buf = (vals, idx [B, T, C], count [B, T])``; entries past ``C`` are dropped but counted.
+    The entries are located through one uint32 mask word per ``bits`` keys (population counts,
+    their running sum, a search for the j-th entry's word, then its bit) and written ``M`` per
+    query at a time, as many rounds as the fullest query needs (usually none or one).
+    """
+    vals, idx, count = buf
     B, T, S = s.shape
-    theta = jnp.min(vals, axis=-1, keepdims=True)  # [B, T, 1]; -inf while the set is not full
-    need = jnp.max(jnp.sum(s > theta, axis=-1))
-    # Bucket i+1 holds up to buckets[i]; more than the largest (only while the set fills up)
-    # clamps to it, which is still exact: the top min(K, S) of the block is all that can enter.
-    branch = jnp.where(need > 0, 1 + sum((need > b).astype(jnp.int32) for b in buckets[:-1]), 0)
+    C = vals.shape[-1]
+    nw = S // bits
+    # Word j's bit t is key t * nw + j (strided, so the sum runs over a major axis and vectorises);
+    # entries are appended in (word, bit) order, not key order: nothing downstream needs the order.
+    shifts = jnp.arange(bits, dtype=jnp.uint32)[:, None]
+    words = jnp.sum(take.reshape(B, T, bits, nw).astype(jnp.uint32) << shifts, axis=-2)
+    pc = jax.lax.population_count(words).astype(jnp.int32)  # [B, T, nw]
+    # Running sum as a product with a triangular matrix (XLA:CPU's cumsum is a reduce-window).
+    upper = jnp.triu(jnp.ones((nw, nw), jnp.float32))
+    csum = jnp.einsum("BTw,wv->BTv", pc.astype(jnp.float32), upper, precision="highest").astype(jnp.int32)
+    n = csum[..., -1]  # [B, T]
+    put = jax.vmap(jax.vmap(lambda buf, slot, x: buf.at[slot].set(x, mode="drop")))
 
-    def keep(vals, idx, s):
-        return vals, idx
+    def write(r, vals_idx):
+        vals, idx = vals_idx
+        j = r * M + jnp.arange(M, dtype=jnp.int32)
+        w = _count(csum[..., None, :] <= j[:, None])  # [B, T, M]: the word holding the j-th entry
+        w = jnp.minimum(w, nw - 1)
+        rank = j - (jnp.take_along_axis(csum, w, axis=-1) - jnp.take_along_axis(pc, w, axis=-1))
+        e = _select_bit(jnp.take_along_axis(words, w, axis=-1), rank, bits) * nw + w  # [B, T, M] key offsets
+        slot = jnp.where(j < n[..., None], count[..., None] + j, C)  # C: dropped
+        return put(vals, slot, jnp.take_along_axis(s, e, axis=-1)), put(idx, slot, idx_base + e)
 
-    def take(M, vals, idx, s):
-        if M * group < S:  # pre-filter: the entries above theta lie in at most M groups
-            G = S // group
-            s_groups = s.reshape(B, T, G, group)
-            _, gi = jax.lax.top_k(jnp.max(s_groups, axis=-1), M)  # [B, T, M]
-            cand = jnp.take_along_axis(s_groups, gi[..., None], axis=2).reshape(B, T, M * group)
-            cand_s = (gi[..., None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(B, T, M * group)
-            cv, ci = jax.lax.top_k(cand, M)
-            ci = jnp.take_along_axis(cand_s, ci, axis=-1)
-        else:
-            cv, ci = jax.lax.top_k(s, M)
-        neg_low, low = jax.lax.top_k(-vals, M)  # the M smallest of the running set, and their slots
-        pool_v = jnp.concatenate([-neg_low, cv], axis=-1)  # [B, T, 2M]
-        pool_i = jnp.concatenate([jnp.take_along_axis(idx, low, axis=-1), base + ci], axis=-1)
-        best_v, best = jax.lax.top_k(pool_v, M)
-        b = jnp.arange(B)[:, None, None]
-        t = jnp.arange(T)[None, :, None]
-        vals = vals.at[b, t, low].set(best_v)
-        idx = idx.at[b, t, low].set(jnp.take_along_axis(pool_i, best, axis=-1))
-        return vals, idx
-
-    branches = [keep] + [functools.partial(take, M) for M in buckets]
-    return jax.lax.switch(branch, branches, vals, idx, s)
+    rounds = (jnp.max(jnp.clip(jnp.minimum(n, C - count), 0)) + M - 1) // M  # nothing to write once full
+    vals, idx = jax.lax.fori_loop(0, rounds, write, (vals, idx))
+    return vals, idx, count + n
 
 
-def _select_blocks(run, q_blocks, k_blocks, *, buckets, group):
-    """Merges every key block into the running top-K of every query block.
+def _kth(buf, K: int, index_bound: int):
+    """The K-th largest buffered entry per query, in the order (score desc, index asc).
+
+    ``buf = (vals, idx [..., C], count [...])``; the first ``min(count, C)`` entries are valid.
+    Returns ``(top, last)``: its :func:`_sortable` key and the largest index taken among entries
+    with that key, so ``key > top or (key == top and idx <= last)`` holds for exactly
+    ``min(K, valid)`` of them. Fewer than K entries: the smallest, so all are taken.
+    """
+    vals, idx, count = buf
+    C = vals.shape[-1]
+    valid = jnp.arange(C) < count[..., None]
+    keys = jnp.where(valid, _sortable(vals), jnp.iinfo(jnp.int32).min)
+    lead = keys.shape[:-1]
+    need = jnp.minimum(jnp.minimum(count, C), K)
+    top = _bisect(
+        lambda v: _count(keys >= v[..., None]) >= need,
+        jnp.full(lead, jnp.iinfo(jnp.int32).min, jnp.int32),
+        jnp.max(keys, axis=-1) + 1,
+        32,
+        keys,
+    )
+    m = need - _count(keys > top[..., None])  # ties to take, lowest indices first
+    tied = valid & (keys == top[..., None])
+
+    def last_tied():
+        return _bisect(
+            lambda v: _count(tied & (idx < v[..., None])) < m,
+            jnp.full(lead, -1, jnp.int32),
+            jnp.full(lead, index_bound, jnp.int32),
+            max(index_bound + 1, 2).bit_length() + 1,
+            keys,
+        )
+
+    # Only when some query has more entries at the K-th score than it takes is the index needed.
+    everything = _varying(jnp.full(lead, index_bound, jnp.int32), keys)
+    last = jax.lax.cond(jnp.any(_count(tied) > m), last_tied, lambda: everything)
+    return top, last
+
+
+def _choose(buf, K: int, index_bound: int):
+    """The K largest of each query's buffered entries (ties: lower index first), ``[..., K]``.
+
+    ``buf = (vals, idx [..., C], count [...])`` with ``count <= C``; fewer than K entries: all of
+    them, the rest ``-inf``.
+    """
+    vals, idx, count = buf
+    C = vals.shape[-1]
+    top, last = _kth(buf, K, index_bound)
+    keys = _sortable(vals)
+    take = (jnp.arange(C) < count[..., None]) & (
+        (keys > top[..., None]) | ((keys == top[..., None]) & (idx <= last[..., None]))
+    )
+    slot = jnp.where(take, jnp.cumsum(take, axis=-1) - 1, K)
+    lead = vals.shape[:-1]
+    put = lambda init, x: jax.vmap(lambda s, v: init.at[s].set(v, mode="drop"))(  # noqa: E731
+        slot.reshape(-1, C), x.reshape(-1, C)
+    ).reshape(*lead, K)
+    return put(jnp.full((K,), -jnp.inf, jnp.float32), vals), put(jnp.zeros((K,), jnp.int32), idx)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static sizes of one selection: K kept, bk keys per block (``bits`` per mask word), ``group``
+    keys per group maximum, ``slots`` key slots over all shards (padded), ``index_bound`` > every
+    global index, ``ring`` shards, ``S``/``S_pad`` keys per shard, ``append`` entries written per
+    round, ``buffer`` candidates per query, ``rounds`` 16-bit refinements before exact ones."""
+
+    K: int
+    bk: int
+    bits: int
+    group: int
+    slots: int
+    index_bound: int
+    ring: int
+    S: int
+    S_pad: int
+    append: int
+    buffer: int
+    rounds: int
+
+
+def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
+    """The top-K keys of every query of one chunk: ``(vals, idx)``, each ``[nq, B, bq, K]``.
 
     Args:
-        run: ``(vals, idx)``, each ``[nq, B, bq, K]``.
-        q_blocks: ``(q [nq, B, bq, N, H], w [nq, B, bq, N], pos [nq, B, bq])``.
-        k_blocks: ``(k [nk, B, bk, H], pos [nk, B, bk], base [nk])``.
+        q_idx, w_idx, qp: the chunk's query blocks ``[nq, B, bq, ...]``.
+        keys: this shard's ``(k [nb, B, bk, H], pos [nb, B, bk])``; under context parallelism they
+            go round the ring (``ppermute``) once per pass.
+        shard: this shard's index on ``context`` (0 without context parallelism).
+
+    Pass 1 stores, per query, the maximum of every ``group`` keys (16-bit keys, ``[bq, slots /
+    group]``) and bisects them for :func:`_group_bound`. Pass 2 appends the keys scoring at least
+    the bound to a buffer (typically about K of them), and the exact top-K is chosen within it.
+    Should a query's candidates overflow the buffer (few keys seen, or a loose bound), the K-th of
+    its buffered entries (a subset of its keys) becomes its bound and it collects again.
     """
+    nq, B, bq = qp.shape
+    K, bk, ring = lay.K, lay.bk, lay.ring
+    perm = [(i, (i + 1) % ring) for i in range(ring)]
 
-    def query_block(_, xs):
-        vals, idx, q, w, q_pos = xs
+    def ring_pass(carry, fn):
+        """``fn(carry_i, i, s_block, slot_base, index_base)`` for every query block i and visible key block."""
 
-        def key_block(carry, ks):
-            k, k_pos, base = ks
+        def visit(c, step):
+            carry, ks = c
+            src = (shard - step) % ring
 
-            def work(carry):
-                s = index_scores(q, w, k, q_pos, k_pos)
-                return _merge(*carry, s, base, buckets=buckets, group=group)
+            k_all, kp_all = ks
+            first_pos = jnp.min(kp_all, axis=(1, 2))  # [nb]
 
-            return jax.lax.cond(jnp.min(k_pos) <= jnp.max(q_pos), work, lambda c: c, carry), None
+            def query_block(i, carry):
+                part = jax.tree.map(lambda x: x[i], carry)
+                q, w, p = q_idx[i], w_idx[i], qp[i]
+                # Blocks past the last one holding a visible key are skipped (positions need not be
+                # sorted: earlier invisible blocks are computed, masked).
+                ahead = jnp.max(jnp.where(first_pos <= jnp.max(p), jnp.arange(first_pos.shape[0]) + 1, 0))
 
-        (vals, idx), _ = jax.lax.scan(key_block, (vals, idx), k_blocks)
-        return None, (vals, idx)
+                def key_block(b, part):
+                    s = index_scores(q, w, k_all[b], p, kp_all[b])
+                    start = b * bk
+                    return fn(part, i, s, src * lay.S_pad + start, src * lay.S + start)
 
-    _, run = jax.lax.scan(query_block, None, (*run, *q_blocks))
-    return run
+                part = jax.lax.fori_loop(0, ahead, key_block, part)
+                return jax.tree.map(lambda x, y: x.at[i].set(y), carry, part)
+
+            carry = jax.lax.fori_loop(0, nq, query_block, carry)
+            if ring > 1:
+                ks = jax.lax.ppermute(ks, CONTEXT, perm)
+            return (carry, ks), None
+
+        (carry, _), _ = jax.lax.scan(visit, (carry, keys), jnp.arange(ring))
+        return carry
+
+    def uniform(x):
+        """A value every device agrees on: XLA:CPU's collectives rendezvous with every device of the
+        program, so a branch holding a ``ppermute`` must be taken everywhere or nowhere."""
+        return jax.lax.pmax(x, jax.sharding.get_abstract_mesh().axis_names) if ring > 1 else x
+
+    # Pass 1: group maxima, then the bound.
+    G = lay.group
+
+    def group_max(gm, i, s, slot_base, _):
+        m = jnp.max(s.reshape(B, bq, G, bk // G), axis=-2)  # group j: keys j, j + bk/G, ... (strided)
+        return jax.lax.dynamic_update_slice(gm, (_sortable(m) >> 16).astype(jnp.int16), (0, 0, slot_base // G))
+
+    if lay.slots // G >= K:
+        gm = _varying(jnp.full((nq, B, bq, lay.slots // G), _KEY16_NEG_INF, jnp.int16), q_idx)
+        gm = ring_pass(gm, group_max)
+        bound = jax.lax.map(lambda g: _group_bound(g, K), gm)  # [nq, B, bq], one query block at a time
+        del gm
+    else:  # fewer groups than K in all: no bound
+        bound = _varying(jnp.full((nq, B, bq), -jnp.inf, jnp.float32), q_idx)
+
+    def collect(C, top, tied=None):
+        """Buffers the visible entries with ``key > top``.
+
+        With ``tied`` (a key per query) the entries with exactly that key are marked in a bitmask
+        over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order = slot order) for
+        :func:`add_ties`: ReLU zeros tie by the thousand.
+        """
+
+        def add(carry, i, s, slot_base, index_base):
+            buf, marks = carry
+            take = (s > -jnp.inf) & (_sortable(s) > top[i][..., None])
+            buf = _append(buf, s, take, index_base, M=lay.append, bits=lay.bits)
+            if marks is not None:
+                at = (s > -jnp.inf) & (_sortable(s) == tied[i][..., None])
+                nw = bk // lay.bits
+                words = jnp.sum(
+                    at.reshape(B, bq, nw, lay.bits).astype(jnp.uint32) << jnp.arange(lay.bits, dtype=jnp.uint32),
+                    axis=-1,
+                )
+                marks = jax.lax.dynamic_update_slice(marks, words, (0, 0, slot_base // lay.bits))
+            return buf, marks
+
+        buf = (
+            jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
+            jnp.zeros((nq, B, bq, C), jnp.int32),
+            jnp.zeros((nq, B, bq), jnp.int32),
+        )
+        marks = None if tied is None else jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
+        return ring_pass(jax.tree.map(lambda x: _varying(x, q_idx), (buf, marks)), add)
+
+    def add_ties(chosen, n_chosen, marks, value):
+        """Fills the slots after each query's ``n_chosen`` entries with its lowest-index marked keys."""
+
+        def one(xs):
+            (vals, idx), n, marks, value = xs
+            pc = jax.lax.population_count(marks).astype(jnp.int32)  # [B, bq, W]
+            csum = jnp.cumsum(pc, axis=-1)
+            j = jnp.arange(K, dtype=jnp.int32)
+            w = jax.vmap(jax.vmap(lambda c: jnp.searchsorted(c, j, side="right")))(csum)
+            w = jnp.minimum(w, marks.shape[-1] - 1).astype(jnp.int32)
+            rank = j - (jnp.take_along_axis(csum, w, axis=-1) - jnp.take_along_axis(pc, w, axis=-1))
+            slot = w * lay.bits + _select_bit(jnp.take_along_axis(marks, w, axis=-1), rank, lay.bits)
+            index = (slot // lay.S_pad) * lay.S + slot % lay.S_pad
+            dest = jnp.where(j < csum[..., -1:], n[..., None] + j, K)  # K: dropped (and past K)
+            put = jax.vmap(jax.vmap(lambda a, d, x: a.at[d].set(x, mode="drop")))
+            vals = put(vals, dest, jnp.broadcast_to(value[..., None], dest.shape))
+            return vals, put(idx, dest, index)
+
+        return jax.lax.map(one, (chosen, n_chosen, marks, value))
+
+    def choose(buf):
+        """:func:`_choose` a query block at a time."""
+        return jax.lax.map(lambda b: _choose(b, K, lay.index_bound), buf)
+
+    def most(buf):
+        return uniform(jnp.max(buf[2]))
+
+    # Pass 2: the candidates at or above the bound, refined while some query has more than the
+    # buffer holds: the K-th largest of the buffered ones (a subset of the query's keys) is a
+    # tighter bound, and each round drops at least buffer - K of the candidates.
+    C = lay.buffer
+    # Entries above the bound are buffered, entries exactly at it (ties: ReLU zeros by the
+    # thousand) only marked: a query with fewer than K above takes its lowest-index ties. While
+    # some query has more above than the buffer holds, its buffer's K-th key (of a subset of its
+    # keys, so at least K keys reach it) becomes its new bound; each round drops at least
+    # buffer - K candidates.
+    top = _sortable(bound)
+
+    def raise_bound(xs, exact_only):
+        """A higher bound for one query block: its buffer's K-th entry at 16-bit resolution (cheap),
+        exact where that is no higher than the current bound, or after ``rounds`` rounds (the
+        exact K-th leaves fewer than K of the buffered entries above it, so each round then
+        drops at least ``buffer - K`` candidates: the loop ends)."""
+        vals, idx, n, top = xs
+        held = jnp.arange(C) < jnp.minimum(n, C)[..., None]
+        keys16 = jnp.where(held, _sortable(vals) >> 16, _KEY16_NEG_INF).astype(jnp.int16)
+        coarse = _sortable(_group_bound(keys16, K))
+        stuck = (n > C) & ((coarse <= top) | exact_only)
+        exact = lambda: _kth((vals, idx, n), K, lay.index_bound)[0]  # noqa: E731
+        return jnp.where(stuck, jax.lax.cond(jnp.any(stuck), exact, lambda: coarse), coarse)
+
+    def refine(state):  # one collection per round (one traced copy of the pass: compile time)
+        (buf, marks), top, r = state
+        over = buf[2] > C  # never in round 0 (empty buffer)
+        top = jnp.where(over, jax.lax.map(lambda xs: raise_bound(xs, r > lay.rounds), (*buf, top)), top)
+        return collect(C, top, tied=top), top, r + 1
+
+    empty = (
+        jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
+        jnp.zeros((nq, B, bq, C), jnp.int32),
+        jnp.zeros((nq, B, bq), jnp.int32),
+    )
+    marks = jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
+    state = (jax.tree.map(lambda x: _varying(x, q_idx), (empty, marks)), top, jnp.zeros((), jnp.int32))
+    (buf, marks), top, _ = jax.lax.while_loop(lambda st: (st[2] == 0) | (most(st[0][0]) > C), refine, state)
+    chosen = choose(buf)
+    n = jnp.minimum(buf[2], K)  # entries above the bound (all chosen when fewer than K)
+    return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, _unsortable(top)), lambda: chosen)
 
 
 def streamed_topk(q_index, w_index, q_pos, k_index, k_pos, *, topk: int, blocks: DSABlocks = DSABlocks()):
     """The streamed selection on one device: ``(scores, indices, valid)``, each ``[B, T, K]``.
 
     Args as :func:`sparse_dsa`. Indices are unsorted; an entry is valid when its key is visible
-    (its score finite). Same sets as ``top_k`` over the dense scores when there are no ties.
+    (its score finite). The same entries as ``top_k`` over the dense scores (ties: lower index).
     """
     B, T = q_pos.shape
     S = k_pos.shape[1]
     K = min(topk, S)
-    _, bq, _, bk, group, buckets = _sizes(T, S, K, blocks)
-    T_pad, S_pad = _round_up(T, bq), _round_up(S, bk)
-    q_blocks = (
-        _blocks(_pad(q_index, 1, T_pad, 0), bq),
-        _blocks(_pad(w_index.astype(jnp.float32), 1, T_pad, 0), bq),
-        _blocks(_pad(q_pos, 1, T_pad, -1), bq),
+    chunk, bq, _, lay = _sizes(T, S, K, blocks, ring=1)
+    T_pad = _round_up(T, chunk)
+
+    def per_chunk(x):  # [B, T_pad, ...] -> [T_pad/chunk, chunk/bq, B, bq, ...]
+        return jax.vmap(lambda c: _blocks(c, bq))(_blocks(x, chunk))
+
+    q_in = (
+        per_chunk(_pad(q_index, 1, T_pad, 0)),
+        per_chunk(_pad(w_index.astype(jnp.float32), 1, T_pad, 0)),
+        per_chunk(_pad(q_pos, 1, T_pad, -1)),
     )
-    k_blocks = (
-        _blocks(_pad(k_index, 1, S_pad, 0), bk),
-        _blocks(_pad(k_pos, 1, S_pad, _NEVER), bk),
-        jnp.arange(S_pad // bk, dtype=jnp.int32) * bk,
-    )
-    nq = T_pad // bq
-    run = (jnp.full((nq, B, bq, K), -jnp.inf, jnp.float32), jnp.zeros((nq, B, bq, K), jnp.int32))
-    vals, idx = _select_blocks(run, q_blocks, k_blocks, buckets=buckets, group=group)
-    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, T_pad, K)[:, :T]  # noqa: E731
+    keys = (_blocks(_pad(k_index, 1, lay.S_pad, 0), lay.bk), _blocks(_pad(k_pos, 1, lay.S_pad, _NEVER), lay.bk))
+    _, (vals, idx) = jax.lax.scan(lambda _, q: (None, _select_chunk(*q, keys, 0, lay)), None, q_in)
+    unblock = lambda x: jnp.moveaxis(x, 2, 0).reshape(B, T_pad, K)[:, :T]  # noqa: E731
     vals, idx = unblock(vals), unblock(idx)
     return vals, idx, jnp.isfinite(vals)
 
@@ -284,16 +569,35 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
-def _sizes(T, S, K, blocks: DSABlocks):
-    """Block sizes fitted to the arrays: ``bq | chunk``, ``ba | bq``, ``group | bk``."""
+def _sizes(T, S, K, blocks: DSABlocks, ring: int):
+    """Block sizes fitted to the arrays (``bq | chunk``, ``ba | bq``, ``group | bk``) and the
+    selection's :class:`_Layout`."""
     bq = min(blocks.block_q, T)
     ba = min(blocks.attn_block_q, bq)
     bq = _round_up(bq, ba)
-    chunk = _round_up(min(blocks.query_chunk, _round_up(T, bq)), bq)
+    # At most a quarter of the local queries per chunk: the chunk's working set (group maxima, tie
+    # marks, candidate buffers) then shrinks with the local length, as the activations do, when
+    # the context axis grows.
+    chunk = _round_up(min(blocks.query_chunk, -(-T // 4)), bq)
     group = min(blocks.group, S)
     bk = _round_up(min(blocks.block_k, _round_up(S, group)), group)
-    buckets = _buckets(min(K, bk), blocks.min_bucket)
-    return chunk, bq, ba, bk, group, buckets
+    bits = max(d for d in range(1, 33) if bk % d == 0)  # keys per uint32 mask word
+    S_pad = _round_up(S, bk)
+    lay = _Layout(
+        K=K,
+        bk=bk,
+        bits=bits,
+        group=group,
+        slots=ring * S_pad,
+        index_bound=ring * S,
+        ring=ring,
+        S=S,
+        S_pad=S_pad,
+        append=min(blocks.append, bk),
+        buffer=max(min(blocks.buffer * K, ring * S), K),
+        rounds=blocks.rounds,
+    )
+    return chunk, bq, ba, lay
 
 
 def _dsa_shard(q_index, w_index, q_cat, q_pos, k_index, latents, k_pos, *, topk, scale, latent_dim, blocks, ring):
@@ -308,9 +612,9 @@ def _dsa_shard(q_index, w_index, q_cat, q_pos, k_index, latents, k_pos, *, topk,
     B, T, N, CR = q_cat.shape
     S = k_pos.shape[1]
     K = min(topk, S * ring)
-    chunk, bq, ba, bk, group, buckets = _sizes(T, S, K, blocks)
-    T_pad, S_pad = _round_up(T, chunk), _round_up(S, bk)
-    nq, na = chunk // bq, chunk // ba
+    chunk, bq, ba, lay = _sizes(T, S, K, blocks, ring)
+    T_pad = _round_up(T, chunk)
+    na = chunk // ba
     shard = jax.lax.axis_index(CONTEXT) if ring > 1 else 0
 
     def per_chunk(x, size):  # [B, T_pad, ...] -> [T_pad/chunk, chunk/size, B, size, ...]
@@ -323,24 +627,11 @@ def _dsa_shard(q_index, w_index, q_cat, q_pos, k_index, latents, k_pos, *, topk,
         per_chunk(_pad(q_pos, 1, T_pad, -1), bq),  # padded queries see nothing
         per_chunk(_pad(q_cat, 1, T_pad, 0), ba),
     )
-    keys = (_blocks(_pad(k_index, 1, S_pad, 0), bk), _blocks(_pad(k_pos, 1, S_pad, _NEVER), bk))
-    block_starts = jnp.arange(S_pad // bk, dtype=jnp.int32) * bk
+    keys = (_blocks(_pad(k_index, 1, lay.S_pad, 0), lay.bk), _blocks(_pad(k_pos, 1, lay.S_pad, _NEVER), lay.bk))
     perm = [(i, (i + 1) % ring) for i in range(ring)]
 
     def select(q_idx, w_idx, qp):
-        vals = _varying(jnp.full((nq, B, bq, K), -jnp.inf, jnp.float32), q_idx)
-        idx = _varying(jnp.zeros((nq, B, bq, K), jnp.int32), q_idx)
-
-        def visit(carry, step):
-            run, ks = carry
-            base = ((shard - step) % ring) * S  # the visiting shard's first global index
-            run = _select_blocks(run, (q_idx, w_idx, qp), (*ks, base + block_starts), buckets=buckets, group=group)
-            if ring > 1:
-                ks = jax.lax.ppermute(ks, CONTEXT, perm)
-            return (run, ks), None
-
-        (run, _), _ = jax.lax.scan(visit, ((vals, idx), keys), jnp.arange(ring))
-        return run
+        return _select_chunk(q_idx, w_idx, qp, keys, shard, lay)
 
     def attend(q, sel):
         f32 = jnp.float32

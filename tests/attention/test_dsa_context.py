@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.attention.dsa import DSA
-from jaxmoe.attention.dsa_context import DSABlocks, streamed_topk
+from jaxmoe.attention.dsa_context import DSABlocks, index_scores, streamed_topk
 from jaxmoe.config import IndexerConfig, MeshConfig, MLAConfig, ModelConfig
 from jaxmoe.sharding import make_mesh
 
@@ -28,7 +28,7 @@ B, T, TOPK = 2, 152, 24  # T = 8 * 19: odd local lengths on every ring
 D, N, NOPE, ROPE, V, C, Q = 24, 3, 6, 4, 5, 11, 13
 NI, HI = 16, 11  # many indexer heads: a score is exactly 0 (all heads relu-ed away) rarely
 # Small blocks so every path runs: several chunks, key blocks and buckets; grouped and direct merges.
-SMALL = DSABlocks(query_chunk=24, block_q=8, block_k=12, group=3, attn_block_q=4, min_bucket=2)
+SMALL = DSABlocks(query_chunk=24, block_q=8, block_k=12, group=3, attn_block_q=4, append=2, buffer=2)
 
 
 def _cfg(topk=TOPK):
@@ -97,6 +97,57 @@ def test_streamed_topk_equals_dense_topk(seed):
     # The running values are the dense scores of the selected keys (blocked matmuls round differently).
     picked = np.take_along_axis(scores, np.where(valid, idx, 0), axis=-1)
     np.testing.assert_allclose(np.where(valid, vals, 0), np.where(valid, picked, 0), atol=ATOL, rtol=0)
+
+
+# Each path of the selection alone: every query's candidates fit the buffer; refinement rounds
+# with the exact K-th of the buffer from the start (rounds=0); 16-bit refinements first.
+PATHS = {
+    "fits": DSABlocks(query_chunk=24, block_q=8, block_k=12, group=3, attn_block_q=4, append=2, buffer=7),
+    "exact_refinement": DSABlocks(
+        query_chunk=16, block_q=8, block_k=16, group=4, attn_block_q=4, append=4, buffer=2, rounds=0
+    ),
+    "refined": DSABlocks(
+        query_chunk=32, block_q=16, block_k=24, group=2, attn_block_q=8, append=2, buffer=2, rounds=50
+    ),
+}
+
+
+def _topk_sets(vals, idx, valid):
+    return [[{int(s) for s, ok in zip(idx[b, t], valid[b, t]) if ok} for t in range(idx.shape[1])] for b in range(B)]
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_each_selection_path_equals_dense_topk(path):
+    model = _model(3)
+    x, _, positions = _inputs(3)
+    q_latent = model.query_latent(x)
+    q, w = model.indexer.query_terms(x, q_latent, positions)
+    k = model.indexer.keys(x, positions)
+    scores = np.asarray(_dense_scores(model, x, positions))
+    _assert_no_boundary_ties(scores, TOPK)
+    got = jax.jit(functools.partial(streamed_topk, topk=TOPK, blocks=PATHS[path]))(q, w, positions, k, positions)
+    got = jax.tree.map(np.asarray, got)
+    ref = jax.tree.map(np.asarray, model.indexer.select(jnp.asarray(scores), positions))
+    assert _topk_sets(*got) == _topk_sets(None, *ref)
+
+
+def test_ties_take_the_lowest_positions():
+    """Scores quantised to a few values: many ties at the K-th score, resolved as top_k does (lower index)."""
+    rng = np.random.default_rng(0)
+    t, nh, hd = 96, 2, 4
+    q = jnp.asarray(rng.integers(0, 2, (B, t, nh, hd)).astype(np.float32))
+    k = jnp.asarray(rng.integers(0, 2, (B, t, hd)).astype(np.float32))
+    w = jnp.ones((B, t, nh), jnp.float32)
+    positions = jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (B, t)))
+    scores = index_scores(q, w, k, positions, positions)
+    for blocks in PATHS.values():
+        got = jax.tree.map(np.asarray, streamed_topk(q, w, positions, k, positions, topk=TOPK, blocks=blocks))
+        _, ref_idx = jax.lax.top_k(scores, TOPK)
+        ref_valid = (
+            np.take_along_axis(np.asarray(positions)[:, None, :], np.asarray(ref_idx), axis=-1)
+            <= np.asarray(positions)[:, :, None]
+        )
+        assert _topk_sets(*got) == _topk_sets(None, np.asarray(ref_idx), ref_valid)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -207,7 +258,7 @@ LONG = 2048  # T = S, longer than every other dimension of the layer
 
 def _long_setup():
     model = DSA(_cfg(topk=64), rngs=nnx.Rngs(0))
-    model.blocks = DSABlocks(query_chunk=128, block_q=32, block_k=128, group=8, attn_block_q=16, min_bucket=4)
+    model.blocks = DSABlocks(query_chunk=128, block_q=32, block_k=128, group=8, attn_block_q=16, append=4)
     x = jax.ShapeDtypeStruct((1, LONG, D), jnp.float32)
     positions = jax.ShapeDtypeStruct((1, LONG), jnp.int32)
     graphdef, state = nnx.split(model)
