@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(typed by the field; tuples as Python literals). FILE:ARG passes ARG to get_config.",
     )
     train.add_argument("--config", required=True, help="ml_collections config file (FILE or FILE:ARG)")
-    train.add_argument("--workdir", required=True, type=pathlib.Path, help="run directory (checkpoints, metrics)")
+    train.add_argument(
+        "--workdir", required=True, help="run directory (checkpoints, metrics): a local path or a bucket, gs://B/P"
+    )
     train.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process runs)")
     train.add_argument("--num_processes", type=int, default=None, help="number of processes (multi-process runs)")
     train.add_argument("--process_id", type=int, default=None, help="this process's index (multi-process runs)")
@@ -203,8 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--checkpoint",
         required=True,
-        type=pathlib.Path,
-        help="training workdir, its checkpoints/ root, or a model checkpoint (e.g. DIR/export_mxfp4)",
+        help="training workdir, its checkpoints/ root, or a model checkpoint (e.g. DIR/export_mxfp4); local or gs://",
     )
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")

@@ -208,7 +208,7 @@ capacity=()
 # What every worker runs. Plain POSIX sh: it is executed by the worker's login shell.
 # shellcheck disable=SC2088  # the tilde is for the worker's shell, not this one
 remote_dir='~/jaxmoe'
-install_cmd="set -eu; command -v $python >/dev/null || { sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q $python $python-venv; }; if [ -d $remote_dir/.git ]; then git -C $remote_dir fetch -q $(shell_word "$repo") $(shell_word "$branch") && git -C $remote_dir checkout -q --force FETCH_HEAD; else git clone -q --branch $(shell_word "$branch") $(shell_word "$repo") $remote_dir; fi; cd $remote_dir; [ -x .venv/bin/python ] || $python -m venv .venv; .venv/bin/pip install -q --upgrade pip; .venv/bin/pip install -q -e .; .venv/bin/pip install -q \"jax[tpu]==\$(.venv/bin/python -c 'import jax; print(jax.__version__)')\""
+install_cmd="set -eu; command -v $python >/dev/null || { sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q $python $python-venv; }; if [ -d $remote_dir/.git ]; then git -C $remote_dir fetch -q $(shell_word "$repo") $(shell_word "$branch") && git -C $remote_dir checkout -q --force FETCH_HEAD; else git clone -q --branch $(shell_word "$branch") $(shell_word "$repo") $remote_dir; fi; cd $remote_dir; [ -x .venv/bin/python ] || $python -m venv .venv; .venv/bin/pip install -q --upgrade pip; .venv/bin/pip install -q -e '.[gcs]'; .venv/bin/pip install -q \"jax[tpu]==\$(.venv/bin/python -c 'import jax; print(jax.__version__)')\""
 train_args=(train --config "$config" --workdir "$workdir")
 [ -z "$steps" ] || train_args+=("--config.steps=$steps")
 train_args+=("${overrides[@]+"${overrides[@]}"}")

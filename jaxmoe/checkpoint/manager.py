@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.integrity import json_record, restore_pytree, tree_records, verify_json
 from jaxmoe.config import Config, from_config_dict
+from jaxmoe.paths import Path, resolve
 
 PYTREE_ITEMS = ("params", "opt_state")
 JSON_ITEMS = ("data_state", "config")
@@ -73,7 +74,7 @@ class CheckpointManager:
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = resolve(directory)  # a bucket (gs://...) stays one
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
@@ -93,7 +94,7 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
 
-    def step_dir(self, step: int) -> pathlib.Path:
+    def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
     # --- save ----------------------------------------------------------------------------------

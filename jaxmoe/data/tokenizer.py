@@ -196,14 +196,16 @@ class BPETokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the tokenizer as JSON."""
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f)
+        from jaxmoe.paths import resolve  # noqa: PLC0415
+
+        resolve(path).write_text(json.dumps(self.to_json()), encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> BPETokenizer:
         """Reads a tokenizer written by :meth:`save`."""
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        from jaxmoe.paths import resolve  # noqa: PLC0415
+
+        data = json.loads(resolve(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("version") != _VERSION:
             raise ValueError(f"{path}: not a {_FORMAT} version {_VERSION} tokenizer file")
         if data.get("pattern") != _PATTERN or data.get("eos") != EOS_TOKEN:

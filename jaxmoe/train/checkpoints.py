@@ -17,6 +17,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, from_config_dict, validate
 from jaxmoe.model import abstract_model
+from jaxmoe.paths import Path, is_uri, resolve, upload_tree
 
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
@@ -37,7 +39,7 @@ def stored_config(root: str | pathlib.Path, step: int) -> Config:
     """The typed config saved with ``step`` under the checkpoint root ``root`` (read without the arrays)."""
     options = ocp.CheckpointManagerOptions(create=False)
     try:
-        with ocp.CheckpointManager(pathlib.Path(root).absolute(), item_names=("config",), options=options) as mgr:
+        with ocp.CheckpointManager(resolve(root), item_names=("config",), options=options) as mgr:
             values = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     except Exception as e:  # noqa: BLE001 (a damaged or missing item: say which)
         raise CheckpointError(f"checkpoint {str(root)!r} step {step}: its config cannot be read: {e}") from e
@@ -46,7 +48,7 @@ def stored_config(root: str | pathlib.Path, step: int) -> Config:
 
 def restore_model(root: str | pathlib.Path, step: int | None = None) -> tuple[Config, nnx.Module]:
     """The model state (router biases included) of a training checkpoint step (default: the newest), on one device."""
-    root = pathlib.Path(root).absolute()
+    root = resolve(root)
     if step is None:
         with CheckpointManager(root) as mgr:
             step = mgr.latest_step()
@@ -64,6 +66,13 @@ def restore_model(root: str | pathlib.Path, step: int | None = None) -> tuple[Co
 
 # --------------------------------------------------------------------------------------------
 # MXFP4 export
+
+
+def export_done(dst: str | Path) -> bool:
+    """An export is complete at ``dst`` (written atomically locally; its config uploaded last to a bucket)."""
+    from jaxmoe.checkpoint.io import CONFIG_FILE  # noqa: PLC0415
+
+    return (resolve(dst) / CONFIG_FILE).exists()
 
 
 def export_config(cfg: Config) -> tuple[Config | None, str]:
@@ -86,10 +95,23 @@ def export_config(cfg: Config) -> tuple[Config | None, str]:
         return out, f"one-device mesh (not packable on the training mesh: {e})"
 
 
-def write_export(state: dict, cfg: Config, dst: pathlib.Path, tokenizer_file: pathlib.Path | None) -> str:
-    """Quantizes the float model state ``state`` (host arrays) and writes the export to ``dst``; returns a note."""
-    from jaxmoe.checkpoint.io import write_checkpoint  # noqa: PLC0415
+def write_export(state: dict, cfg: Config, dst: str | Path, tokenizer_file: str | Path | None) -> str:
+    """Quantizes the float model state ``state`` (host arrays) and writes the export to ``dst``; returns a note.
+
+    A bucket ``dst`` is written locally first and copied up, its ``config.json`` last: an export
+    with a config is complete (see :func:`export_done`).
+    """
+    from jaxmoe.checkpoint.io import CONFIG_FILE, write_checkpoint  # noqa: PLC0415
     from jaxmoe.quant.qarray import quantize_state  # noqa: PLC0415
+
+    dst = resolve(dst)
+    if is_uri(dst):
+        with tempfile.TemporaryDirectory(prefix="jaxmoe_export_") as tmp:
+            local = pathlib.Path(tmp) / "export"
+            note = write_export(state, cfg, local, tokenizer_file)
+            if local.exists():
+                upload_tree(local, dst, last=CONFIG_FILE)
+            return note
 
     out_cfg, note = export_config(cfg)
     if out_cfg is None:
@@ -99,7 +121,7 @@ def write_export(state: dict, cfg: Config, dst: pathlib.Path, tokenizer_file: pa
     arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp), v) for kp, v in leaves)
     write_checkpoint(dst, out_cfg, arrays)
     if tokenizer_file is not None:
-        (dst / TOKENIZER_FILE).write_bytes(pathlib.Path(tokenizer_file).read_bytes())
+        (dst / TOKENIZER_FILE).write_bytes(resolve(tokenizer_file).read_bytes())
     return note
 
 
@@ -107,7 +129,7 @@ def export_from_checkpoint(root, step: int, dst, tokenizer_file=None) -> str:
     """The export of a training checkpoint step, restored on one device (single process)."""
     cfg, model = restore_model(root, step)
     state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-    return write_export(state, cfg, pathlib.Path(dst).absolute(), tokenizer_file)
+    return write_export(state, cfg, dst, tokenizer_file)
 
 
 def export_in_subprocess(root, step: int, dst, tokenizer_file=None) -> str:

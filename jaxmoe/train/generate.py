@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.config import Config, MeshConfig
 from jaxmoe.data.tokenizer import BPETokenizer
 from jaxmoe.model import abstract_model
+from jaxmoe.paths import download_tree, resolve
 from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, restore_model
 
 
@@ -37,13 +39,18 @@ def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, B
     """``(config, model on one device, tokenizer)`` from a workdir, checkpoint root or model checkpoint."""
     from jaxmoe.checkpoint.io import CONFIG_FILE, load_model  # noqa: PLC0415
 
-    path = pathlib.Path(path).absolute()
+    path = resolve(path)
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {str(path)!r} is not a directory")
     if (path / CHECKPOINT_DIR).is_dir():
         cfg, model = restore_model(path / CHECKPOINT_DIR)
     elif (path / CONFIG_FILE).is_file():
-        cfg, model = load_model(path)
+        local = download_tree(path)  # a bucket's model checkpoint is read from a local copy
+        try:
+            cfg, model = load_model(local)
+        finally:
+            if local != path:
+                shutil.rmtree(local, ignore_errors=True)
     elif any(p.name.isdigit() for p in path.iterdir()):
         cfg, model = restore_model(path)
     else:

@@ -37,11 +37,13 @@ from jaxmoe.config import (
     validate_training,
 )
 from jaxmoe.data.pipeline import PackedBatches, build_token_data, heldout_batches
+from jaxmoe.paths import Path, is_uri, resolve
 from jaxmoe.sharding import make_mesh
 from jaxmoe.train.checkpoints import (
     CHECKPOINT_DIR,
     EXPORT_DIR,
     TOKENIZER_FILE,
+    export_done,
     export_in_subprocess,
     stored_config,
     write_export,
@@ -63,9 +65,14 @@ def build_mesh(cfg: Config) -> jax.sharding.Mesh:
     return make_mesh(cfg.mesh)
 
 
-def _data(cfg: Config, workdir: pathlib.Path):
+def _data(cfg: Config, workdir: Path):
     t = cfg.train
-    cache = pathlib.Path(t.data.cache_dir).expanduser() if t.data.cache_dir else workdir / "data_cache"
+    if t.data.cache_dir:
+        cache = pathlib.Path(t.data.cache_dir).expanduser()
+    elif is_uri(workdir):  # a local cache per host: every host tokenizes the same corpus the same way
+        cache = pathlib.Path("~/.cache/jaxmoe/data").expanduser()
+    else:
+        cache = workdir / "data_cache"
     try:
         data = build_token_data(
             vocab_size=cfg.model.vocab_size,
@@ -144,10 +151,10 @@ def _fetch(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def _export(state: TrainState, cfg: Config, ckpt: CheckpointManager, step: int, workdir: pathlib.Path, log) -> str:
+def _export(state: TrainState, cfg: Config, ckpt: CheckpointManager, step: int, workdir: Path, log) -> str:
     """The MXFP4 export of the final params (once): in process when single-process, else from the checkpoint."""
     dst = workdir / EXPORT_DIR
-    if dst.exists():
+    if export_done(dst):
         return str(dst)
     tokenizer = workdir / TOKENIZER_FILE
     if jax.process_count() == 1:
@@ -166,7 +173,7 @@ def _export(state: TrainState, cfg: Config, ckpt: CheckpointManager, step: int, 
 
 def train(
     cfg: Config,
-    workdir: str | pathlib.Path,
+    workdir: str | Path,
     *,
     stop_after: int | None = None,
     progress: bool = True,
@@ -176,7 +183,7 @@ def train(
 
     Args:
         cfg: the config; ``cfg.train`` holds the training fields.
-        workdir: the run directory (created if missing).
+        workdir: the run directory (created if missing): a local path or a bucket (``gs://B/P``).
         stop_after: return after this many completed steps (its checkpoint written if one is due),
             as if the job were killed there: no final checkpoint, no export.
         progress: show a progress bar on stderr (process 0).
@@ -187,7 +194,7 @@ def train(
     """
     validate_training(cfg)
     t = cfg.train
-    workdir = pathlib.Path(workdir).absolute()
+    workdir = resolve(workdir)
     is_main = jax.process_index() == 0
     log = (lambda msg: print(f"jaxmoe train: {msg}", file=sys.stderr, flush=True)) if is_main else (lambda msg: None)
     mesh = build_mesh(cfg)
@@ -269,6 +276,7 @@ def train(
                     data_state = {"batches": batches.state(), "step": step}
                     ckpt.save(step, params=params, opt_state=opt, data_state=data_state, config=cfg, force=True)
                     summary["checkpoint"] = str(ckpt.step_dir(step))
+                    writer.sync()
                 last_time += time.perf_counter() - start
                 if stop_after is not None and step >= stop_after:
                     break

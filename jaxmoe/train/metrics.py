@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +36,7 @@ from flax import nnx
 from jaxmoe.config import Config
 from jaxmoe.model import abstract_model
 from jaxmoe.moe import MoE
+from jaxmoe.paths import Path, is_uri, resolve
 from jaxmoe.train.tensorboard import EventWriter
 
 # --------------------------------------------------------------------------------------------
@@ -157,24 +160,39 @@ class MetricsWriter:
     """Writes each record as a JSON line to stdout and ``workdir/metrics.jsonl``, scalars to TensorBoard.
 
     Args:
-        workdir: the run directory (``metrics.jsonl`` and ``tensorboard/`` go there).
+        workdir: the run directory (``metrics.jsonl`` and ``tensorboard/`` go there); a bucket
+            (``gs://...``) too: objects cannot be appended to, so both files are written to a
+            local directory and copied up whole by :meth:`sync` (at every checkpoint and at the end).
         resume_step: records of later steps already in ``metrics.jsonl`` (from a run that died
             after its last checkpoint) are dropped, so the file holds each step once.
         stdout: also print each record.
         enabled: False on processes other than 0: nothing is written.
     """
 
-    def __init__(self, workdir: str | pathlib.Path, *, resume_step: int = 0, stdout: bool = True, enabled=True):
+    def __init__(self, workdir: str | Path, *, resume_step: int = 0, stdout: bool = True, enabled=True):
         self.enabled, self.stdout = enabled, stdout
         if not enabled:
             return
-        workdir = pathlib.Path(workdir)
-        self.path = workdir / "metrics.jsonl"
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+        self.workdir = resolve(workdir)
+        self._staging = pathlib.Path(tempfile.mkdtemp(prefix="jaxmoe_metrics_")) if is_uri(self.workdir) else None
+        local = self._staging or self.workdir
+        self.path = local / "metrics.jsonl"
+        existing = self.workdir / "metrics.jsonl"
+        if existing.exists():
+            kept = [line for line in existing.read_text().splitlines() if _step_of(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 (kept open for the run)
-        self._events = EventWriter(workdir / "tensorboard")
+        self._events = EventWriter(local / "tensorboard")
+
+    def sync(self) -> None:
+        """Copies ``metrics.jsonl`` and this run's event file to a bucket workdir (local ones are written in place)."""
+        if not self.enabled or self._staging is None:
+            return
+        self._file.flush()
+        (self.workdir / "metrics.jsonl").write_bytes(self.path.read_bytes())
+        events = self.workdir / "tensorboard" / self._events.path.name
+        events.parent.mkdir(parents=True, exist_ok=True)
+        events.write_bytes(self._events.path.read_bytes())
 
     def write(self, record: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -188,5 +206,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.enabled:
+            self.sync()
             self._file.close()
             self._events.close()
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)

@@ -20,6 +20,7 @@ import pathlib
 import socket
 import struct
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 
 FILE_VERSION = "brain.Event:2"
@@ -203,7 +204,7 @@ def read_events(path: str | os.PathLike) -> list[dict]:
 
 
 class EventWriter:
-    """Appends scalar summaries to a new event file ``logdir/events.out.tfevents.<time>.<host>``.
+    """Appends scalar summaries to a new event file ``logdir/events.out.tfevents.<time>.<host>.<pid>.<uid>``.
 
     Every :meth:`scalars` call is one flushed record, so a killed run leaves a readable file.
     """
@@ -212,7 +213,8 @@ class EventWriter:
         logdir = pathlib.Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}"
+        # A unique suffix: two writers never share a file (a bucket copy of one would replace the other's).
+        name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self.path = logdir / name
         self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the writer's life)
         self._write(encode_event(now, file_version=FILE_VERSION))

@@ -152,7 +152,7 @@ def test_tpu_vm_dry_run_prints_the_exact_commands(fake):
     ]  # fmt: skip
     setup = remote_command(install)
     assert f"git clone -q --branch {BRANCH} {REPO} ~/jaxmoe" in setup
-    assert ".venv/bin/pip install -q -e ." in setup
+    assert ".venv/bin/pip install -q -e '.[gcs]'" in setup  # gs:// workdirs need gcsfs
     assert '.venv/bin/pip install -q "jax[tpu]==$(.venv/bin/python -c' in setup
     assert delete == [*TPUS, "tpu-vm", "delete", NAME, f"--zone={ZONE}", "--quiet"]
 
