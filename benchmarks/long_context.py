@@ -2,6 +2,7 @@
 
     python benchmarks/long_context.py --tokens 1048576        # one JSON line
     python benchmarks/long_context.py --sweep                 # 64K..1M, exponent, HF deepseek_v32 ratio
+    python benchmarks/long_context.py --sweep --results F     # the same, resumable: lines kept in F
     python benchmarks/long_context.py --memory --tokens 65536 # per-device memory vs context size P
 
 Prefill: the whole sequence through every layer, the sequence split over the ``context`` mesh
@@ -10,8 +11,11 @@ axis (8 fake devices of this machine's CPU), then the next-token logits of the l
 memory, compilation included. ``--sweep`` runs each length in its own process (so each peak is
 its own), fits ``seconds ~ tokens^exponent``, and times HF transformers' ``deepseek_v32`` with
 the same dims (all layers ``dsa``; HF has no ``kda``) at the longest length it fits, against
-this model at that length. ``--memory`` compiles the prefill for context axis sizes 1, 2, 4, 8
-(each on a mesh of exactly P devices) and reports XLA's per-device memory analysis.
+this model at that length; with ``--results FILE`` it appends every line there and skips the
+lengths FILE already holds for the same commit (each line records ``commit``; a tree with
+uncommitted changes reuses nothing), so an interrupted sweep resumes. ``--memory`` compiles
+the prefill for context axis sizes 1, 2, 4, 8 (each on a mesh of exactly P devices) and reports
+XLA's per-device memory analysis.
 """
 
 import os
@@ -97,6 +101,7 @@ def run_jaxmoe(n: int) -> dict:
         "topk": cfg.model.indexer.topk,
         "context_shards": cfg.mesh.context,
         "devices": f"8 fake CPU devices on {os.cpu_count()} cores",
+        "commit": _commit(),
     }
 
 
@@ -199,14 +204,53 @@ def _subprocess(*flags, timeout=4 * 3600) -> dict:
     return {"failed": f"exit {out.returncode}: " + " | ".join(out.stderr.strip().splitlines()[-3:])}
 
 
-def sweep(lengths, hf_timeout: float) -> None:
+def _commit() -> str | None:
+    """The checked-out commit (``+`` if the tree differs from it), or None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def _measured(results_file: pathlib.Path | None) -> dict[int, dict]:
+    """Lengths already measured at this commit in ``results_file`` (a clean tree only)."""
+    commit = _commit()
+    if results_file is None or not results_file.exists() or commit is None or commit.endswith("+"):
+        return {}
+    done = {}
+    for line in results_file.read_text().splitlines():
+        r = json.loads(line) if line.startswith("{") else {}
+        if r.get("benchmark") == "long_context" and "failed" not in r and r.get("commit") == commit:
+            done[r["tokens"]] = r
+    return done
+
+
+def sweep(lengths, hf_timeout: float, results_file: pathlib.Path | None = None) -> None:
+    """Each length in its own process; with ``results_file``, every line is appended there and a
+    length already measured there at this commit is not run again (a long sweep can resume)."""
+    done = _measured(results_file)
+
+    def emit(r: dict) -> None:
+        print(json.dumps(r), flush=True)
+        if results_file is not None:
+            with results_file.open("a") as f:
+                f.write(json.dumps(r) + "\n")
+
     results = []
     for n in lengths:
-        r = _subprocess("--tokens", str(n))
-        if "failed" in r:
-            print(json.dumps({"benchmark": "long_context", "tokens": n, **r}), flush=True)
-            continue
-        print(json.dumps(r), flush=True)
+        if n in done:
+            r = done[n]
+            print(json.dumps(r), flush=True)
+        else:
+            r = _subprocess("--tokens", str(n))
+            if "failed" in r:
+                emit({"benchmark": "long_context", "tokens": n, **r})
+                continue
+            emit(r)
         results.append(r)
     x = np.log([r["tokens"] for r in results])
     y = np.log([r["seconds"] for r in results])
@@ -221,12 +265,15 @@ def sweep(lengths, hf_timeout: float) -> None:
     for n in HF_LENGTHS:  # HF builds [T, T] index scores and masks: find the longest it fits
         hf = _subprocess("--hf", "--tokens", str(n), timeout=hf_timeout)
         if "failed" in hf:
-            print(json.dumps({"benchmark": "long_context_hf_deepseek_v32", "tokens": n, **hf}), flush=True)
+            emit({"benchmark": "long_context_hf_deepseek_v32", "tokens": n, **hf})
             continue
-        ours = _subprocess("--tokens", str(n))
+        emit(hf)
+        ours = done.get(n) or _subprocess("--tokens", str(n))
         if "failed" in ours:
-            print(json.dumps({"benchmark": "long_context", "tokens": n, **ours}), flush=True)
+            emit({"benchmark": "long_context", "tokens": n, **ours})
             break
+        if n not in done:
+            emit(ours)
         summary.update(
             hf_tokens=n,
             hf_seconds=hf["seconds"],
@@ -235,7 +282,7 @@ def sweep(lengths, hf_timeout: float) -> None:
             speedup_vs_hf=round(hf["seconds"] / ours["seconds"], 2),
         )
         break
-    print(json.dumps(summary), flush=True)
+    emit(summary)
 
 
 def main():
@@ -246,9 +293,15 @@ def main():
     p.add_argument("--memory", action="store_true", help="per-device memory analysis for context 1, 2, 4, 8")
     p.add_argument("--hf", action="store_true", help="time HF transformers deepseek_v32 instead")
     p.add_argument("--hf-timeout", type=float, default=900, help="seconds allowed per HF attempt in --sweep")
+    p.add_argument(
+        "--results",
+        type=pathlib.Path,
+        default=None,
+        help="--sweep: append every line to this JSONL file and skip lengths it already holds for this commit",
+    )
     args = p.parse_args()
     if args.sweep:
-        sweep([n for n in SWEEP if n <= args.max_tokens], args.hf_timeout)
+        sweep([n for n in SWEEP if n <= args.max_tokens], args.hf_timeout, args.results)
     elif args.memory:
         print(json.dumps(run_memory(args.tokens)))
     elif args.hf:
