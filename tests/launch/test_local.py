@@ -7,6 +7,7 @@ sparse), checkpoints, exports MXFP4, resumes, and samples.
 import json
 import os
 import pathlib
+import re
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,6 +45,7 @@ def test_local_sh_trains_saves_and_samples(tmp_path):
     assert {"step", "loss", "tokens_per_s", "mfu", "lr", "grad_norm"} <= set(records[-1])
     assert {r["stage"] for r in records if "stage" in r} == {"warmup", "main"}
     assert (tmp_path / "run" / "export_mxfp4").is_dir()
+    assert re.search(r"== held-out loss \d+\.\d{3} at step 4: (not yet )?below the 3.5 threshold", out.stdout)
     sample = out.stdout.split("== jaxmoe generate", 1)[1].split("\n", 1)[1]
     assert sample.strip(), out.stdout[-2000:]
 
