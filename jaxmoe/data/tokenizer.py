@@ -19,6 +19,8 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
+from jaxmoe.paths import resolve
+
 _PATTERN = r" ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"
 _SPLIT = re.compile(_PATTERN)
 _NUM_BYTES = 256
@@ -196,15 +198,11 @@ class BPETokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the tokenizer as JSON."""
-        from jaxmoe.paths import resolve  # noqa: PLC0415
-
         resolve(path).write_text(json.dumps(self.to_json()), encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> BPETokenizer:
         """Reads a tokenizer written by :meth:`save`."""
-        from jaxmoe.paths import resolve  # noqa: PLC0415
-
         data = json.loads(resolve(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("version") != _VERSION:
             raise ValueError(f"{path}: not a {_FORMAT} version {_VERSION} tokenizer file")
