@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.attention.dsa_context import DSABlocks, index_scores, sparse_dsa
+from jaxmoe.attention.dsa_context import DSABlocks, sparse_dsa
+from jaxmoe.attention.dsa_topk import index_scores
 from jaxmoe.attention.mla import MLA, masked_softmax, softmax_scale
 from jaxmoe.config import ModelConfig
 from jaxmoe.nn import LayerNorm, apply_rope, dense, param, rope_frequencies

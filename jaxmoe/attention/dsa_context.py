@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.attention.context_parallel import CONTEXT, context_parallel_size, token_spec
+from jaxmoe.attention.dsa_topk import Layout, select_chunk, varying
 
 _NEVER = jnp.iinfo(jnp.int32).max  # position of padded keys: visible to no query
 
@@ -86,398 +87,6 @@ class DSABlocks:
             raise ValueError(f"DSABlocks.buffer must be at least 2 (K per refinement round), got {self.buffer}")
 
 
-# --------------------------------------------------------------------------------------------
-# Mesh helpers
-
-
-def _varying(x, like):
-    """``x`` marked as varying over the mesh axes ``like`` varies over (scan carries must agree)."""
-    missing = tuple(sorted(jax.typeof(like).manual_axis_type.varying - jax.typeof(x).manual_axis_type.varying))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-# --------------------------------------------------------------------------------------------
-# Index scores (shared with the dense reference in dsa.py)
-
-
-def index_scores(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """``I[t, s] = sum_n w[t, n] relu(q[t, n] . k[s])``, ``-inf`` where ``k_pos[s] > q_pos[t]``.
-
-    Args:
-        q: ``[B, T, N, H]`` rotated indexer queries; w: ``[B, T, N]`` float32 head weights with
-            both of the indexer's scales folded in; k: ``[B, S, H]`` rotated indexer keys.
-        q_pos: ``[B, T]``; k_pos: ``[B, S]`` int32 positions.
-
-    Returns:
-        ``[B, T, S]`` float32. Heads are summed one 2-D matmul at a time (the indexer has few
-        heads), which XLA:CPU runs faster than a ``[B, T, N, S]`` einsum.
-    """
-    scores = jnp.zeros((), jnp.float32)
-    for n in range(q.shape[2]):
-        dots = jnp.einsum("BTH,BSH->BTS", q[:, :, n], k, preferred_element_type=jnp.float32)
-        scores = scores + w[:, :, n, None] * jax.nn.relu(dots)
-    visible = k_pos[:, None, :] <= q_pos[:, :, None]
-    return jnp.where(visible, scores, -jnp.inf)
-
-
-# --------------------------------------------------------------------------------------------
-# Streamed top-K: a group-maximum bound, then the few keys above it
-
-
-def _sortable(x: jax.Array) -> jax.Array:
-    """float32 -> int32 with the same order (``-inf`` lowest, ``-0.0`` equal to ``0.0``; no NaNs here)."""
-    b = jnp.where(x == 0, 0, jax.lax.bitcast_convert_type(x, jnp.int32))
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-def _unsortable(key: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
-
-
-_NEG_INF_KEY = -2139095041  # _sortable(-inf)
-_KEY16_NEG_INF = _NEG_INF_KEY >> 16  # its top 16 bits
-
-
-def _bisect(ok, lo, hi, iters: int, like):
-    """Largest ``v`` in ``[lo, hi)`` with ``ok(v)``, elementwise; ``ok`` is monotone (true below,
-    false above), ``ok(lo)`` holds and ``ok(hi)`` does not. ``iters >= log2(hi - lo)``. ``like``:
-    an array ``ok`` reads (the bounds vary over the same mesh axes)."""
-    lo, hi = _varying(lo, like), _varying(hi, like)
-
-    def step(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        good = ok(mid)
-        return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
-
-    return jax.lax.fori_loop(0, iters, step, (lo, hi))[0]
-
-
-def _count(mask: jax.Array) -> jax.Array:
-    """``sum(mask, -1)`` as int32, through a matrix-vector product (XLA:CPU vectorises it; its
-    minor-axis reductions it does not). Exact below 2**24."""
-    ones = jnp.ones(mask.shape[-1], jnp.float32)
-    return jnp.einsum("...c,c->...", mask.astype(jnp.float32), ones, precision="highest").astype(jnp.int32)
-
-
-def _group_bound(gm16: jax.Array, K: int) -> jax.Array:
-    """A lower bound on each query's K-th largest score from its group maxima.
-
-    ``gm16[..., G]`` holds the top 16 bits of :func:`_sortable` of every group's maximum. If at
-    least K groups reach ``v``, so do at least K scores (one per group): the largest such ``v``
-    bounds the K-th score from below, within the 16-bit resolution, and all scores above the
-    bound lie in those groups. Fewer than K visible groups: ``-inf`` (every visible key).
-    """
-    lo = jnp.full(gm16.shape[:-1], _KEY16_NEG_INF, jnp.int32)
-    hi = jnp.full(gm16.shape[:-1], 32768, jnp.int32)
-    v = _bisect(lambda v: _count(gm16 >= v[..., None].astype(gm16.dtype)) >= K, lo, hi, 17, gm16)
-    bound = _unsortable(jnp.maximum(v, _KEY16_NEG_INF + 1) << 16)
-    return jnp.where(v > _KEY16_NEG_INF, bound, -jnp.inf)
-
-
-def _select_bit(word: jax.Array, r: jax.Array, bits: int) -> jax.Array:
-    """Position of the ``r``-th (0-based) set bit of each uint32 ``word`` (``r`` < its popcount)."""
-    pos = jnp.zeros(word.shape, jnp.int32)
-    step = 1 << (bits - 1).bit_length() - 1 if bits > 1 else 0
-    while step:
-        cand = pos + step
-        below = jax.lax.population_count(word & ((jnp.uint32(1) << cand.astype(jnp.uint32)) - 1))
-        pos = jnp.where((cand < bits) & (below.astype(jnp.int32) <= r), cand, pos)
-        step >>= 1
-    return pos
-
-
-def _append(buf, s, take, idx_base, *, M: int, bits: int):
-    """Appends the entries of ``s[B, T, S]`` where ``take`` holds, in key order, to ``buf``.
-
-    ``buf = (vals, idx [B, T, C], count [B, T])``; entries past ``C`` are dropped but counted.
-    The entries are located through one uint32 mask word per ``bits`` keys (population counts,
-    their running sum, a search for the j-th entry's word, then its bit) and written ``M`` per
-    query at a time, as many rounds as the fullest query needs (usually none or one).
-    """
-    vals, idx, count = buf
-    B, T, S = s.shape
-    C = vals.shape[-1]
-    nw = S // bits
-    # Word j's bit t is key t * nw + j (strided, so the sum runs over a major axis and vectorises);
-    # entries are appended in (word, bit) order, not key order: nothing downstream needs the order.
-    shifts = jnp.arange(bits, dtype=jnp.uint32)[:, None]
-    words = jnp.sum(take.reshape(B, T, bits, nw).astype(jnp.uint32) << shifts, axis=-2)
-    pc = jax.lax.population_count(words).astype(jnp.int32)  # [B, T, nw]
-    # Running sum as a product with a triangular matrix (XLA:CPU's cumsum is a reduce-window).
-    upper = jnp.triu(jnp.ones((nw, nw), jnp.float32))
-    csum = jnp.einsum("BTw,wv->BTv", pc.astype(jnp.float32), upper, precision="highest").astype(jnp.int32)
-    n = csum[..., -1]  # [B, T]
-    put = jax.vmap(jax.vmap(lambda buf, slot, x: buf.at[slot].set(x, mode="drop")))
-
-    def write(r, vals_idx):
-        vals, idx = vals_idx
-        j = r * M + jnp.arange(M, dtype=jnp.int32)
-        w = _count(csum[..., None, :] <= j[:, None])  # [B, T, M]: the word holding the j-th entry
-        w = jnp.minimum(w, nw - 1)
-        rank = j - (jnp.take_along_axis(csum, w, axis=-1) - jnp.take_along_axis(pc, w, axis=-1))
-        e = _select_bit(jnp.take_along_axis(words, w, axis=-1), rank, bits) * nw + w  # [B, T, M] key offsets
-        slot = jnp.where(j < n[..., None], count[..., None] + j, C)  # C: dropped
-        return put(vals, slot, jnp.take_along_axis(s, e, axis=-1)), put(idx, slot, idx_base + e)
-
-    rounds = (jnp.max(jnp.clip(jnp.minimum(n, C - count), 0)) + M - 1) // M  # nothing to write once full
-    vals, idx = jax.lax.fori_loop(0, rounds, write, (vals, idx))
-    return vals, idx, count + n
-
-
-def _kth(buf, K: int, index_bound: int):
-    """The K-th largest buffered entry per query, in the order (score desc, index asc).
-
-    ``buf = (vals, idx [..., C], count [...])``; the first ``min(count, C)`` entries are valid.
-    Returns ``(top, last)``: its :func:`_sortable` key and the largest index taken among entries
-    with that key, so ``key > top or (key == top and idx <= last)`` holds for exactly
-    ``min(K, valid)`` of them. Fewer than K entries: the smallest, so all are taken.
-    """
-    vals, idx, count = buf
-    C = vals.shape[-1]
-    valid = jnp.arange(C) < count[..., None]
-    keys = jnp.where(valid, _sortable(vals), jnp.iinfo(jnp.int32).min)
-    lead = keys.shape[:-1]
-    need = jnp.minimum(jnp.minimum(count, C), K)
-    top = _bisect(
-        lambda v: _count(keys >= v[..., None]) >= need,
-        jnp.full(lead, jnp.iinfo(jnp.int32).min, jnp.int32),
-        jnp.max(keys, axis=-1) + 1,
-        32,
-        keys,
-    )
-    m = need - _count(keys > top[..., None])  # ties to take, lowest indices first
-    tied = valid & (keys == top[..., None])
-
-    def last_tied():
-        return _bisect(
-            lambda v: _count(tied & (idx < v[..., None])) < m,
-            jnp.full(lead, -1, jnp.int32),
-            jnp.full(lead, index_bound, jnp.int32),
-            max(index_bound + 1, 2).bit_length() + 1,
-            keys,
-        )
-
-    # Only when some query has more entries at the K-th score than it takes is the index needed.
-    everything = _varying(jnp.full(lead, index_bound, jnp.int32), keys)
-    last = jax.lax.cond(jnp.any(_count(tied) > m), last_tied, lambda: everything)
-    return top, last
-
-
-def _choose(buf, K: int, index_bound: int):
-    """The K largest of each query's buffered entries (ties: lower index first), ``[..., K]``.
-
-    ``buf = (vals, idx [..., C], count [...])`` with ``count <= C``; fewer than K entries: all of
-    them, the rest ``-inf``.
-    """
-    vals, idx, count = buf
-    C = vals.shape[-1]
-    top, last = _kth(buf, K, index_bound)
-    keys = _sortable(vals)
-    take = (jnp.arange(C) < count[..., None]) & (
-        (keys > top[..., None]) | ((keys == top[..., None]) & (idx <= last[..., None]))
-    )
-    slot = jnp.where(take, jnp.cumsum(take, axis=-1) - 1, K)
-    lead = vals.shape[:-1]
-    put = lambda init, x: jax.vmap(lambda s, v: init.at[s].set(v, mode="drop"))(  # noqa: E731
-        slot.reshape(-1, C), x.reshape(-1, C)
-    ).reshape(*lead, K)
-    return put(jnp.full((K,), -jnp.inf, jnp.float32), vals), put(jnp.zeros((K,), jnp.int32), idx)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Static sizes of one selection: K kept, bk keys per block (``bits`` per mask word), ``group``
-    keys per group maximum, ``slots`` key slots over all shards (padded), ``index_bound`` > every
-    global index, ``ring`` shards, ``S``/``S_pad`` keys per shard, ``append`` entries written per
-    round, ``buffer`` candidates per query, ``rounds`` 16-bit refinements before exact ones."""
-
-    K: int
-    bk: int
-    bits: int
-    group: int
-    slots: int
-    index_bound: int
-    ring: int
-    S: int
-    S_pad: int
-    append: int
-    buffer: int
-    rounds: int
-
-
-def _select_chunk(q_idx, w_idx, qp, keys, shard, lay: _Layout):
-    """The top-K keys of every query of one chunk: ``(vals, idx)``, each ``[nq, B, bq, K]``.
-
-    Args:
-        q_idx, w_idx, qp: the chunk's query blocks ``[nq, B, bq, ...]``.
-        keys: this shard's ``(k [nb, B, bk, H], pos [nb, B, bk])``; under context parallelism they
-            go round the ring (``ppermute``) once per pass.
-        shard: this shard's index on ``context`` (0 without context parallelism).
-
-    Pass 1 stores, per query, the maximum of every ``group`` keys (16-bit keys, ``[bq, slots /
-    group]``) and bisects them for :func:`_group_bound`. Pass 2 appends the keys scoring at least
-    the bound to a buffer (typically about K of them), and the exact top-K is chosen within it.
-    Should a query's candidates overflow the buffer (few keys seen, or a loose bound), the K-th of
-    its buffered entries (a subset of its keys) becomes its bound and it collects again.
-    """
-    nq, B, bq = qp.shape
-    K, bk, ring = lay.K, lay.bk, lay.ring
-    perm = [(i, (i + 1) % ring) for i in range(ring)]
-
-    def ring_pass(carry, fn):
-        """``fn(carry_i, i, s_block, slot_base, index_base)`` for every query block i and visible key block."""
-
-        def visit(c, step):
-            carry, ks = c
-            src = (shard - step) % ring
-
-            k_all, kp_all = ks
-            first_pos = jnp.min(kp_all, axis=(1, 2))  # [nb]
-
-            def query_block(i, carry):
-                part = jax.tree.map(lambda x: x[i], carry)
-                q, w, p = q_idx[i], w_idx[i], qp[i]
-                # Blocks past the last one holding a visible key are skipped (positions need not be
-                # sorted: earlier invisible blocks are computed, masked).
-                ahead = jnp.max(jnp.where(first_pos <= jnp.max(p), jnp.arange(first_pos.shape[0]) + 1, 0))
-
-                def key_block(b, part):
-                    s = index_scores(q, w, k_all[b], p, kp_all[b])
-                    start = b * bk
-                    return fn(part, i, s, src * lay.S_pad + start, src * lay.S + start)
-
-                part = jax.lax.fori_loop(0, ahead, key_block, part)
-                return jax.tree.map(lambda x, y: x.at[i].set(y), carry, part)
-
-            carry = jax.lax.fori_loop(0, nq, query_block, carry)
-            if ring > 1:
-                ks = jax.lax.ppermute(ks, CONTEXT, perm)
-            return (carry, ks), None
-
-        (carry, _), _ = jax.lax.scan(visit, (carry, keys), jnp.arange(ring))
-        return carry
-
-    def uniform(x):
-        """A value every device agrees on: XLA:CPU's collectives rendezvous with every device of the
-        program, so a branch holding a ``ppermute`` must be taken everywhere or nowhere."""
-        return jax.lax.pmax(x, jax.sharding.get_abstract_mesh().axis_names) if ring > 1 else x
-
-    # Pass 1: group maxima, then the bound.
-    G = lay.group
-
-    def group_max(gm, i, s, slot_base, _):
-        m = jnp.max(s.reshape(B, bq, G, bk // G), axis=-2)  # group j: keys j, j + bk/G, ... (strided)
-        return jax.lax.dynamic_update_slice(gm, (_sortable(m) >> 16).astype(jnp.int16), (0, 0, slot_base // G))
-
-    if lay.slots // G >= K:
-        gm = _varying(jnp.full((nq, B, bq, lay.slots // G), _KEY16_NEG_INF, jnp.int16), q_idx)
-        gm = ring_pass(gm, group_max)
-        bound = jax.lax.map(lambda g: _group_bound(g, K), gm)  # [nq, B, bq], one query block at a time
-        del gm
-    else:  # fewer groups than K in all: no bound
-        bound = _varying(jnp.full((nq, B, bq), -jnp.inf, jnp.float32), q_idx)
-
-    def collect(C, top, tied=None):
-        """Buffers the visible entries with ``key > top``.
-
-        With ``tied`` (a key per query) the entries with exactly that key are marked in a bitmask
-        over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order = slot order) for
-        :func:`add_ties`: ReLU zeros tie by the thousand.
-        """
-
-        def add(carry, i, s, slot_base, index_base):
-            buf, marks = carry
-            take = (s > -jnp.inf) & (_sortable(s) > top[i][..., None])
-            buf = _append(buf, s, take, index_base, M=lay.append, bits=lay.bits)
-            if marks is not None:
-                at = (s > -jnp.inf) & (_sortable(s) == tied[i][..., None])
-                nw = bk // lay.bits
-                words = jnp.sum(
-                    at.reshape(B, bq, nw, lay.bits).astype(jnp.uint32) << jnp.arange(lay.bits, dtype=jnp.uint32),
-                    axis=-1,
-                )
-                marks = jax.lax.dynamic_update_slice(marks, words, (0, 0, slot_base // lay.bits))
-            return buf, marks
-
-        buf = (
-            jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
-            jnp.zeros((nq, B, bq, C), jnp.int32),
-            jnp.zeros((nq, B, bq), jnp.int32),
-        )
-        marks = None if tied is None else jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
-        return ring_pass(jax.tree.map(lambda x: _varying(x, q_idx), (buf, marks)), add)
-
-    def add_ties(chosen, n_chosen, marks, value):
-        """Fills the slots after each query's ``n_chosen`` entries with its lowest-index marked keys."""
-
-        def one(xs):
-            (vals, idx), n, marks, value = xs
-            pc = jax.lax.population_count(marks).astype(jnp.int32)  # [B, bq, W]
-            csum = jnp.cumsum(pc, axis=-1)
-            j = jnp.arange(K, dtype=jnp.int32)
-            w = jax.vmap(jax.vmap(lambda c: jnp.searchsorted(c, j, side="right")))(csum)
-            w = jnp.minimum(w, marks.shape[-1] - 1).astype(jnp.int32)
-            rank = j - (jnp.take_along_axis(csum, w, axis=-1) - jnp.take_along_axis(pc, w, axis=-1))
-            slot = w * lay.bits + _select_bit(jnp.take_along_axis(marks, w, axis=-1), rank, lay.bits)
-            index = (slot // lay.S_pad) * lay.S + slot % lay.S_pad
-            dest = jnp.where(j < csum[..., -1:], n[..., None] + j, K)  # K: dropped (and past K)
-            put = jax.vmap(jax.vmap(lambda a, d, x: a.at[d].set(x, mode="drop")))
-            vals = put(vals, dest, jnp.broadcast_to(value[..., None], dest.shape))
-            return vals, put(idx, dest, index)
-
-        return jax.lax.map(one, (chosen, n_chosen, marks, value))
-
-    def choose(buf):
-        """:func:`_choose` a query block at a time."""
-        return jax.lax.map(lambda b: _choose(b, K, lay.index_bound), buf)
-
-    def most(buf):
-        return uniform(jnp.max(buf[2]))
-
-    # Pass 2: the candidates at or above the bound, refined while some query has more than the
-    # buffer holds: the K-th largest of the buffered ones (a subset of the query's keys) is a
-    # tighter bound, and each round drops at least buffer - K of the candidates.
-    C = lay.buffer
-    # Entries above the bound are buffered, entries exactly at it (ties: ReLU zeros by the
-    # thousand) only marked: a query with fewer than K above takes its lowest-index ties. While
-    # some query has more above than the buffer holds, its buffer's K-th key (of a subset of its
-    # keys, so at least K keys reach it) becomes its new bound; each round drops at least
-    # buffer - K candidates.
-    top = _sortable(bound)
-
-    def raise_bound(xs, exact_only):
-        """A higher bound for one query block: its buffer's K-th entry at 16-bit resolution (cheap),
-        exact where that is no higher than the current bound, or after ``rounds`` rounds (the
-        exact K-th leaves fewer than K of the buffered entries above it, so each round then
-        drops at least ``buffer - K`` candidates: the loop ends)."""
-        vals, idx, n, top = xs
-        held = jnp.arange(C) < jnp.minimum(n, C)[..., None]
-        keys16 = jnp.where(held, _sortable(vals) >> 16, _KEY16_NEG_INF).astype(jnp.int16)
-        coarse = _sortable(_group_bound(keys16, K))
-        stuck = (n > C) & ((coarse <= top) | exact_only)
-        exact = lambda: _kth((vals, idx, n), K, lay.index_bound)[0]  # noqa: E731
-        return jnp.where(stuck, jax.lax.cond(jnp.any(stuck), exact, lambda: coarse), coarse)
-
-    def refine(state):  # one collection per round (one traced copy of the pass: compile time)
-        (buf, marks), top, r = state
-        over = buf[2] > C  # never in round 0 (empty buffer)
-        top = jnp.where(over, jax.lax.map(lambda xs: raise_bound(xs, r > lay.rounds), (*buf, top)), top)
-        return collect(C, top, tied=top), top, r + 1
-
-    empty = (
-        jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
-        jnp.zeros((nq, B, bq, C), jnp.int32),
-        jnp.zeros((nq, B, bq), jnp.int32),
-    )
-    marks = jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
-    state = (jax.tree.map(lambda x: _varying(x, q_idx), (empty, marks)), top, jnp.zeros((), jnp.int32))
-    (buf, marks), top, _ = jax.lax.while_loop(lambda st: (st[2] == 0) | (most(st[0][0]) > C), refine, state)
-    chosen = choose(buf)
-    n = jnp.minimum(buf[2], K)  # entries above the bound (all chosen when fewer than K)
-    return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, _unsortable(top)), lambda: chosen)
-
-
 def streamed_topk(q_index, w_index, q_pos, k_index, k_pos, *, topk: int, blocks: DSABlocks = DSABlocks()):
     """The streamed selection on one device: ``(scores, indices, valid)``, each ``[B, T, K]``.
 
@@ -499,7 +108,7 @@ def streamed_topk(q_index, w_index, q_pos, k_index, k_pos, *, topk: int, blocks:
         per_chunk(_pad(q_pos, 1, T_pad, -1)),
     )
     keys = (_blocks(_pad(k_index, 1, lay.S_pad, 0), lay.bk), _blocks(_pad(k_pos, 1, lay.S_pad, _NEVER), lay.bk))
-    _, (vals, idx) = jax.lax.scan(lambda _, q: (None, _select_chunk(*q, keys, 0, lay)), None, q_in)
+    _, (vals, idx) = jax.lax.scan(lambda _, q: (None, select_chunk(*q, keys, 0, lay)), None, q_in)
     unblock = lambda x: jnp.moveaxis(x, 2, 0).reshape(B, T_pad, K)[:, :T]  # noqa: E731
     vals, idx = unblock(vals), unblock(idx)
     return vals, idx, jnp.isfinite(vals)
@@ -571,7 +180,7 @@ def _round_up(n, m):
 
 def _sizes(T, S, K, blocks: DSABlocks, ring: int):
     """Block sizes fitted to the arrays (``bq | chunk``, ``ba | bq``, ``group | bk``) and the
-    selection's :class:`_Layout`."""
+    selection's :class:`~jaxmoe.attention.dsa_topk.Layout`."""
     bq = min(blocks.block_q, T)
     ba = min(blocks.attn_block_q, bq)
     bq = _round_up(bq, ba)
@@ -583,7 +192,7 @@ def _sizes(T, S, K, blocks: DSABlocks, ring: int):
     bk = _round_up(min(blocks.block_k, _round_up(S, group)), group)
     bits = max(d for d in range(1, 33) if bk % d == 0)  # keys per uint32 mask word
     S_pad = _round_up(S, bk)
-    lay = _Layout(
+    lay = Layout(
         K=K,
         bk=bk,
         bits=bits,
@@ -631,15 +240,15 @@ def _dsa_shard(q_index, w_index, q_cat, q_pos, k_index, latents, k_pos, *, topk,
     perm = [(i, (i + 1) % ring) for i in range(ring)]
 
     def select(q_idx, w_idx, qp):
-        return _select_chunk(q_idx, w_idx, qp, keys, shard, lay)
+        return select_chunk(q_idx, w_idx, qp, keys, shard, lay)
 
     def attend(q, sel):
         f32 = jnp.float32
-        m = _varying(jnp.full((na, B, ba, N), -jnp.inf, f32), q)
+        m = varying(jnp.full((na, B, ba, N), -jnp.inf, f32), q)
         state = (
             m,
-            _varying(jnp.zeros((na, B, ba, N), f32), q),
-            _varying(jnp.zeros((na, B, ba, N, latent_dim), f32), q),
+            varying(jnp.zeros((na, B, ba, N), f32), q),
+            varying(jnp.zeros((na, B, ba, N, latent_dim), f32), q),
         )
 
         def visit(carry, step):
@@ -693,7 +302,8 @@ def sparse_dsa(
 
     Args:
         q_index: ``[B, T, NI, HI]`` rotated indexer queries.
-        w_index: ``[B, T, NI]`` indexer head weights, scales folded in (see :func:`index_scores`).
+        w_index: ``[B, T, NI]`` indexer head weights, scales folded in (see
+            :func:`jaxmoe.attention.dsa_topk.index_scores`).
         q_cat: ``[B, T, N, C+R]`` absorbed MLA queries ``[q_nope kv_b_k, q_rope]``.
         q_pos: ``[B, T]`` int32 query positions.
         k_index: ``[B, S, HI]`` rotated indexer keys.

@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from jaxmoe.attention.dsa import DSA
-from jaxmoe.attention.dsa_context import DSABlocks, index_scores, streamed_topk
+from jaxmoe.attention.dsa_context import DSABlocks, streamed_topk
+from jaxmoe.attention.dsa_topk import index_scores
 from jaxmoe.config import IndexerConfig, MeshConfig, MLAConfig, ModelConfig
 from jaxmoe.sharding import make_mesh
 
