@@ -3,6 +3,7 @@
     python benchmarks/long_context.py --tokens 1048576        # one JSON line
     python benchmarks/long_context.py --sweep                 # 64K..1M, exponent, HF deepseek_v32 ratio
     python benchmarks/long_context.py --sweep --results F     # the same, resumable: lines kept in F
+    python benchmarks/long_context.py --tokens N --results F  # one length, kept in F for a sweep
     python benchmarks/long_context.py --memory --tokens 65536 # per-device memory vs context size P
 
 Prefill: the whole sequence through every layer, the sequence split over the ``context`` mesh
@@ -24,14 +25,22 @@ import sys
 # glibc malloc, read at process start: with the default per-thread arenas and its rising mmap
 # threshold, the freed host buffers of XLA:CPU's device threads stay resident: a 1M-token prefill
 # held 6.5 GB in 52 arenas and mid-size maps beside its 10.5 GB of XLA temporaries (18.2 GB at
-# 23 minutes). A fixed threshold maps large buffers and unmaps them on free (11.4 GB at 7 minutes;
-# host allocations made during the one long multi-device execution still grow, see the README).
-# Values the caller set win.
+# 23 minutes). A fixed threshold maps large buffers and unmaps them on free. Values the caller
+# set win.
 MALLOC = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
 if __name__ == "__main__" and any(k not in os.environ for k in MALLOC):
     os.execve(sys.executable, [sys.executable, *sys.argv], {**MALLOC, **os.environ})
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU's YNNPACK fusions (dots, reductions, elementwise ops run through XNNPACK's YNN on a
+# Slinky thread pool) hold memory for every task they enqueue until the execution ends: 8 devices scoring
+# a 1M-token context in one execution grew by ~0.2 GB/min (a jemalloc heap profile put the
+# growth in ``xla::cpu::SlinkyThreadPool::enqueue``). XLA's own kernels do not grow, and ran the
+# 64K prefill faster here (117 s against 135 s). Flags the caller set win.
+XLA_DEFAULTS = {"--xla_force_host_platform_device_count": "8", "--xla_cpu_experimental_ynn_fusion_type": ""}
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", "")]
+    + [f"{k}={v}" for k, v in XLA_DEFAULTS.items() if k not in os.environ.get("XLA_FLAGS", "")]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -307,7 +316,7 @@ def main():
         "--results",
         type=pathlib.Path,
         default=None,
-        help="--sweep: append every line to this JSONL file and skip lengths it already holds for this commit",
+        help="append every line to this JSONL file; --sweep skips lengths it already holds for this commit",
     )
     args = p.parse_args()
     if args.sweep:
@@ -319,7 +328,11 @@ def main():
     else:
         if args.tokens % 8:
             p.error(f"--tokens must be a multiple of the 8 context shards, got {args.tokens}")
-        print(json.dumps(run_jaxmoe(args.tokens)))
+        r = run_jaxmoe(args.tokens)
+        print(json.dumps(r))
+        if args.results is not None:  # a length run alone, kept for a later --sweep to reuse
+            with args.results.open("a") as f:
+                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

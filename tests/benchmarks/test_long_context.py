@@ -74,13 +74,19 @@ def test_results_file_resumes_a_sweep_at_the_same_commit(bench, tmp_path, capsys
     assert [int(f[f.index("--tokens") + 1]) for f in calls if "--hf" not in f][0] == 1024
 
 
-def test_short_real_run():
+def test_short_real_run(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    results = tmp_path / "runs.jsonl"
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tokens", "4096"], capture_output=True, text=True, env=env, check=True
+        [sys.executable, str(SCRIPT), "--tokens", "4096", "--results", str(results)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["tokens"] == 4096 and r["seconds"] > 0 and r["peak_rss_gb"] > 0 and r["context_shards"] == 8
+    assert [json.loads(line) for line in results.read_text().splitlines()] == [r]  # kept for a sweep
 
 
 def test_tokens_must_divide_over_the_shards():
