@@ -13,8 +13,10 @@ memory, compilation included. ``--sweep`` runs each length in its own process (s
 its own), fits ``seconds ~ tokens^exponent``, and times HF transformers' ``deepseek_v32`` with
 the same dims (all layers ``dsa``; HF has no ``kda``) at the longest length it fits, against
 this model at that length; with ``--results FILE`` it appends every line there and skips the
-lengths FILE already holds for the same commit (each line records ``commit``; a tree with
-uncommitted changes reuses nothing), so an interrupted sweep resumes. ``--memory`` compiles
+lengths FILE already holds for the same measured code (each line records ``code``, a hash of the
+committed model code, configs and pins, this script's prefill and its XLA and malloc settings;
+commits elsewhere keep it, uncommitted changes there reuse nothing), so an interrupted sweep
+resumes. ``--memory`` compiles
 the prefill for context axis sizes 1, 2, 4, 8 (each on a mesh of exactly P devices) and reports
 XLA's per-device memory analysis.
 """
@@ -45,6 +47,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
@@ -121,6 +125,7 @@ def run_jaxmoe(n: int) -> dict:
         "context_shards": cfg.mesh.context,
         "devices": f"8 fake CPU devices on {os.cpu_count()} cores",
         "commit": _commit(),
+        "code": _code(),
     }
 
 
@@ -235,22 +240,48 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
+MEASURED = ("jaxmoe", "configs", "pyproject.toml")  # what the prefill's time depends on, in git
+
+
+def _code() -> str | None:
+    """A hash of what a measured time depends on: the committed ``MEASURED`` paths (their git
+    object ids), the prefill this script builds and feeds, and the XLA and malloc settings. None
+    outside a git checkout or with uncommitted changes under ``MEASURED``; commits that touch
+    only other files (docs, tests) keep it, so their sweeps reuse earlier lengths."""
+    try:
+        ids = subprocess.run(
+            ["git", "rev-parse", *(f"HEAD:{p}" for p in MEASURED)], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED], cwd=ROOT, capture_output=True)
+    except OSError:
+        return None
+    if ids.returncode != 0 or dirty.stdout.strip():
+        return None
+    h = hashlib.sha256(ids.stdout.encode())
+    for fn in (_prefill, _tokens):
+        h.update(inspect.getsource(fn).encode())
+    for k in ("XLA_FLAGS", *MALLOC):
+        h.update(f"{k}={os.environ.get(k, '')}\n".encode())
+    return h.hexdigest()[:12]
+
+
 def _measured(results_file: pathlib.Path | None) -> dict[int, dict]:
-    """Lengths already measured at this commit in ``results_file`` (a clean tree only)."""
-    commit = _commit()
-    if results_file is None or not results_file.exists() or commit is None or commit.endswith("+"):
+    """Lengths ``results_file`` already holds for this :func:`_code`."""
+    code = _code()
+    if results_file is None or not results_file.exists() or code is None:
         return {}
     done = {}
     for line in results_file.read_text().splitlines():
         r = json.loads(line) if line.startswith("{") else {}
-        if r.get("benchmark") == "long_context" and "failed" not in r and r.get("commit") == commit:
+        if r.get("benchmark") == "long_context" and "failed" not in r and r.get("code") == code:
             done[r["tokens"]] = r
     return done
 
 
 def sweep(lengths, hf_timeout: float, results_file: pathlib.Path | None = None) -> None:
     """Each length in its own process; with ``results_file``, every line is appended there and a
-    length already measured there at this commit is not run again (a long sweep can resume)."""
+    length already measured there for the same :func:`_code` is not run again (a long sweep can
+    resume, also after commits that do not touch the measured code)."""
     done = _measured(results_file)
 
     def emit(r: dict) -> None:
@@ -316,7 +347,7 @@ def main():
         "--results",
         type=pathlib.Path,
         default=None,
-        help="append every line to this JSONL file; --sweep skips lengths it already holds for this commit",
+        help="append every line to this JSONL file; --sweep skips lengths it holds for the same measured code",
     )
     args = p.parse_args()
     if args.sweep:

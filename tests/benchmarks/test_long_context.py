@@ -1,7 +1,7 @@
 """benchmarks/long_context.py's sweep bookkeeping, with the runs themselves replaced by a stub
 (a real sweep takes hours): every length runs in its own process, the fitted exponent, the HF
-ratio, failures reported with their reason, and ``--results`` resuming a sweep at the same commit
-only. The prefill itself is tested by a short real run."""
+ratio, failures reported with their reason, and ``--results`` resuming a sweep for the same
+measured code only (docs-only commits keep it). The prefill itself is tested by a short real run."""
 
 import importlib.util
 import json
@@ -34,10 +34,10 @@ def bench(monkeypatch):
                 "seconds": 10 * (n / 1024) ** 2,
                 "peak_rss_gb": 2.0,
             }
-        return {"benchmark": "long_context", "tokens": n, "seconds": (n / 1024) ** 2, "peak_rss_gb": 1.0, "commit": "c"}
+        return {"benchmark": "long_context", "tokens": n, "seconds": (n / 1024) ** 2, "peak_rss_gb": 1.0, "code": "c"}
 
     monkeypatch.setattr(module, "_subprocess", fake)
-    monkeypatch.setattr(module, "_commit", lambda: "c")
+    monkeypatch.setattr(module, "_code", lambda: "c")
     return module, calls
 
 
@@ -57,7 +57,7 @@ def test_sweep_fits_the_exponent_and_the_hf_ratio(bench, capsys):
     assert summary["hf_tokens"] == 8192 and summary["speedup_vs_hf"] == pytest.approx(10.0)
 
 
-def test_results_file_resumes_a_sweep_at_the_same_commit(bench, tmp_path, capsys):
+def test_results_file_resumes_a_sweep_for_the_same_code(bench, tmp_path, capsys):
     module, calls = bench
     results = tmp_path / "sweep.jsonl"
     module.sweep([1024, 2048], hf_timeout=1, results_file=results)
@@ -67,11 +67,47 @@ def test_results_file_resumes_a_sweep_at_the_same_commit(bench, tmp_path, capsys
     ran = [int(f[f.index("--tokens") + 1]) for f in calls if "--hf" not in f]
     assert ran == [4096] and first == 5  # 1024, 2048 and ours at the HF length (8192) were kept
     assert _lines(capsys.readouterr().out)[-1]["time_exponent"] == pytest.approx(2.0)
-    # Another commit (or a dirty tree) reuses nothing.
-    module._commit = lambda: "d"
+    # Other measured code (or uncommitted changes to it) reuses nothing.
+    module._code = lambda: "d"
     calls.clear()
     module.sweep([1024], hf_timeout=1, results_file=results)
     assert [int(f[f.index("--tokens") + 1]) for f in calls if "--hf" not in f][0] == 1024
+
+
+def test_code_hash_follows_the_measured_code_only(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("long_context", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    repo = tmp_path / "repo"
+    for path in ("jaxmoe/model.py", "configs/tiny.py", "pyproject.toml", "README.md"):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text("v1\n")
+
+    def git(*args):
+        ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run(["git", *ident, *args], cwd=repo, check=True, capture_output=True)
+
+    def commit(path, text):
+        (repo / path).write_text(text)
+        git("add", "-A")
+        git("commit", "-q", "-m", path)
+
+    git("init", "-q")
+    commit("README.md", "v1\n")
+    monkeypatch.setattr(module, "ROOT", repo)
+    first = module._code()
+    assert first is not None and module._code() == first
+    commit("README.md", "docs\n")  # not measured: kept
+    assert module._code() == first
+    (repo / "jaxmoe/model.py").write_text("v2\n")  # uncommitted model change: nothing to reuse
+    assert module._code() is None
+    commit("jaxmoe/model.py", "v2\n")
+    second = module._code()
+    assert second not in (None, first)
+    monkeypatch.setenv("XLA_FLAGS", "--other")
+    assert module._code() not in (None, second)
+    monkeypatch.setattr(module, "ROOT", tmp_path)  # not a checkout
+    assert module._code() is None
 
 
 def test_short_real_run(tmp_path):
