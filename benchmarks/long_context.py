@@ -34,15 +34,13 @@ if __name__ == "__main__" and any(k not in os.environ for k in MALLOC):
     os.execve(sys.executable, [sys.executable, *sys.argv], {**MALLOC, **os.environ})
 
 # XLA:CPU's YNNPACK fusions (dots, reductions, elementwise ops run through XNNPACK's YNN on a
-# Slinky thread pool) hold memory for every task they enqueue until the execution ends: 8 devices scoring
-# a 1M-token context in one execution grew by ~0.2 GB/min (a jemalloc heap profile put the
+# Slinky thread pool) hold memory for every task they enqueue until the execution ends: 8
+# devices scoring a 1M-token context in one execution grew by ~0.2 GB/min (a jemalloc heap profile put the
 # growth in ``xla::cpu::SlinkyThreadPool::enqueue``). XLA's own kernels do not grow, and ran the
 # 64K prefill faster here (117 s against 135 s). Flags the caller set win.
 XLA_DEFAULTS = {"--xla_force_host_platform_device_count": "8", "--xla_cpu_experimental_ynn_fusion_type": ""}
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", "")]
-    + [f"{k}={v}" for k, v in XLA_DEFAULTS.items() if k not in os.environ.get("XLA_FLAGS", "")]
-).strip()
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_flags, *(f"{k}={v}" for k, v in XLA_DEFAULTS.items() if k not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -265,6 +263,13 @@ def _code() -> str | None:
     return h.hexdigest()[:12]
 
 
+def _keep(results_file: pathlib.Path | None, r: dict) -> None:
+    """Appends ``r`` to ``results_file`` (if any) as one JSON line."""
+    if results_file is not None:
+        with results_file.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
 def _measured(results_file: pathlib.Path | None) -> dict[int, dict]:
     """Lengths ``results_file`` already holds for this :func:`_code`."""
     code = _code()
@@ -286,9 +291,7 @@ def sweep(lengths, hf_timeout: float, results_file: pathlib.Path | None = None) 
 
     def emit(r: dict) -> None:
         print(json.dumps(r), flush=True)
-        if results_file is not None:
-            with results_file.open("a") as f:
-                f.write(json.dumps(r) + "\n")
+        _keep(results_file, r)
 
     results = []
     for n in lengths:
@@ -361,9 +364,7 @@ def main():
             p.error(f"--tokens must be a multiple of the 8 context shards, got {args.tokens}")
         r = run_jaxmoe(args.tokens)
         print(json.dumps(r))
-        if args.results is not None:  # a length run alone, kept for a later --sweep to reuse
-            with args.results.open("a") as f:
-                f.write(json.dumps(r) + "\n")
+        _keep(args.results, r)  # a length run alone, kept for a later --sweep to reuse
 
 
 if __name__ == "__main__":
