@@ -63,7 +63,8 @@ import sys
 import tempfile
 import time
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+from jaxmoe.rules import MESH_AXES  # plain data: imports no jax, so the device count can still be set
+
 PRESETS = {
     # d_model, layers, vocab, seq, batch, timed steps, warm-up rounds
     "default": dict(d_model=512, layers=4, vocab=4096, seq=256, batch=8, steps=5, warmup=1),

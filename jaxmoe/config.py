@@ -14,8 +14,9 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from jaxmoe.rules import MESH_AXES, RULES, mesh_axes
+
 ATTENTION_KINDS = ("mla", "dsa", "kda")
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 ROPE_TYPES = ("default", "yarn")
 MOE_DISPATCH = ("dense", "dropless", "capacity", "ragged")  # see jaxmoe.moe.experts / expert_parallel
 DTYPES = ("float32", "bfloat16")
@@ -464,8 +465,6 @@ def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
 
 
 def _validate_mxfp4(cfg: Config) -> None:
-    from jaxmoe.sharding import RULES  # noqa: PLC0415 (sharding imports config)
-
     m = cfg.model
     for i, name in enumerate(m.mxfp4_weights):
         _require(
@@ -479,8 +478,7 @@ def _validate_mxfp4(cfg: Config) -> None:
     # Blocks of 32 run along the contracting dim, and the mesh axes that shard it shard the blocks.
     for name in m.mxfp4_weights:
         logical = MXFP4_WEIGHTS[name]
-        axes = dict(RULES).get(logical)
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        axes = mesh_axes(dict(RULES).get(logical))
         size = 32 * math.prod(getattr(cfg.mesh, a) for a in axes)
         for field, value in sharded_dims(m)[logical][:1]:
             _require(
@@ -492,14 +490,11 @@ def _validate_mxfp4(cfg: Config) -> None:
 
 
 def _validate_divisibility(cfg: Config) -> None:
-    from jaxmoe.sharding import RULES  # noqa: PLC0415 (sharding imports config)
-
     rules = dict(RULES)
     for logical, fields in sharded_dims(cfg.model).items():
-        axes = rules.get(logical)
-        if axes is None:
+        axes = mesh_axes(rules.get(logical))
+        if not axes:
             continue
-        axes = (axes,) if isinstance(axes, str) else axes
         size = math.prod(getattr(cfg.mesh, a) for a in axes)
         for field, value in fields:
             _require(

@@ -1,9 +1,10 @@
-"""One table of logical axis rules, and the few functions that apply it.
+"""The mesh, and the few functions that apply the logical axis rules of :mod:`jaxmoe.rules`.
 
 Parameters are created with logical axis names (``nnx.Param(..., axes=('embed', 'heads', ...))``);
-:func:`logical_to_spec` maps those names to mesh axes through :data:`RULES`. Activations are
-constrained at block boundaries with :func:`constrain`. The mesh has five axes,
-``data, fsdp, expert, context, tensor``; an axis of size 1 is simply unused.
+:func:`logical_to_spec` maps those names to mesh axes through :data:`RULES` (the table lives in
+:mod:`jaxmoe.rules`, a leaf module, and is re-exported here). Activations are constrained at block
+boundaries with :func:`constrain`. The mesh has five axes, ``data, fsdp, expert, context, tensor``;
+an axis of size 1 is simply unused.
 
 Sharding in prose: ``x[B_data, T_context, D]`` means batch over ``data``, sequence over ``context``.
 """
@@ -21,35 +22,20 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmoe.config import MESH_AXES, MeshConfig
-
-# Logical name -> mesh axis (or tuple of axes, or None for replicated).
-RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    # activations
-    # The expert axis is extra data parallelism outside the MoE (DeepSeek-style): tokens split over it
-    # enter the expert-parallel dispatch already spread over the devices that hold different experts.
-    ("batch", ("data", "fsdp", "expert")),
-    ("seq", "context"),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    # parameters
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("head_dim", None),
-    ("q_latent", None),
-    ("kv_latent", None),
-    ("ffw", "tensor"),
-    ("experts", "expert"),
-    ("expert_ffw", "tensor"),
-    ("conv", None),
-    ("norm", None),
-    ("layers", None),
-)
+from jaxmoe.config import MeshConfig
+from jaxmoe.rules import MESH_AXES, RULES, mesh_axes
 
 
 def logical_to_spec(axes: Sequence[str | None], rules=RULES) -> PartitionSpec:
-    """Maps logical axis names to a PartitionSpec, refusing a mesh axis used twice."""
+    """Maps logical axis names to a PartitionSpec through ``rules``.
+
+    A mesh axis splits at most one dimension: when a later name's rule repeats an axis an earlier
+    dimension already uses, the later dimension drops that axis (and is replicated over it; over
+    everything if no axis is left).
+
+    Raises:
+      KeyError: a name (other than None) has no rule.
+    """
     table = dict(rules)
     out, used = [], set()
     for name in axes:
@@ -58,17 +44,16 @@ def logical_to_spec(axes: Sequence[str | None], rules=RULES) -> PartitionSpec:
             continue
         if name not in table:
             raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
-        mesh_axes = table[name]
-        if mesh_axes is None:
+        axes_of_dim = mesh_axes(table[name])
+        if not axes_of_dim:
             out.append(None)
             continue
-        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-        clash = used & set(mesh_axes)
+        clash = used & set(axes_of_dim)
         if clash:
             # The first dimension keeps the axis; a later one stays replicated over it.
-            mesh_axes = tuple(a for a in mesh_axes if a not in clash)
-        used |= set(mesh_axes)
-        out.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+            axes_of_dim = tuple(a for a in axes_of_dim if a not in clash)
+        used |= set(axes_of_dim)
+        out.append(axes_of_dim[0] if len(axes_of_dim) == 1 else (axes_of_dim or None))
     return PartitionSpec(*out)
 
 
@@ -154,11 +139,7 @@ def token_axes(rules=RULES) -> tuple[str, ...]:
     ``batch`` rule's axes and T over the ``seq`` rule's: ``x_flat[N_(batch axes, seq axes), D]``.
     """
     table = dict(rules)
-    axes = []
-    for name in ("batch", "seq"):
-        a = table[name]
-        axes += [] if a is None else [a] if isinstance(a, str) else list(a)
-    return tuple(dict.fromkeys(axes))
+    return tuple(dict.fromkeys(a for name in ("batch", "seq") for a in mesh_axes(table[name])))
 
 
 def token_parallel(fn: Callable[..., Any], token_args: Sequence[jax.Array], shared_args: Sequence[Any] = ()) -> Any:

@@ -58,10 +58,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmoe.config import MESH_AXES, MoEConfig
+from jaxmoe.config import MoEConfig
 from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.quant.qarray import QArray
-from jaxmoe.sharding import RULES
+from jaxmoe.rules import MESH_AXES, RULES, mesh_axes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -330,10 +330,6 @@ def _ragged_local(ax: _Axes, x, weights, indices, w_gate, w_up, w_down, *, num_e
 # The shard_map region
 
 
-def _flat(axes) -> tuple[str, ...]:
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def _region_axes(split_experts: bool = True) -> tuple[jax.sharding.AbstractMesh | jax.sharding.Mesh, _Axes]:
     """The mesh to run on (a one-device mesh when none is set) and the axis roles from ``RULES``.
 
@@ -350,12 +346,12 @@ def _region_axes(split_experts: bool = True) -> tuple[jax.sharding.AbstractMesh 
             f"the current mesh has {mesh.axis_names}"
         )
     rules = dict(RULES)
-    if _flat(rules["experts"]) != ("expert",):
+    if mesh_axes(rules["experts"]) != ("expert",):
         raise ValueError(f"expert-parallel dispatch needs RULES['experts'] == 'expert', got {rules['experts']!r}")
-    tokens = [a for name in ("batch", "seq") for a in _flat(rules[name])]
+    tokens = [a for name in ("batch", "seq") for a in mesh_axes(rules[name])]
     if "expert" not in tokens:
         tokens.append("expert")
-    ffw = _flat(rules["expert_ffw"])
+    ffw = mesh_axes(rules["expert_ffw"])
     if len(ffw) > 1 or set(ffw) & set(tokens):
         raise ValueError(f"RULES['expert_ffw']={rules['expert_ffw']!r} must be one axis that does not split tokens")
     return mesh, _Axes("expert" if split_experts else None, tuple(dict.fromkeys(tokens)), ffw[0] if ffw else None)
