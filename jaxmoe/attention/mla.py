@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.attention import context_parallel as cp
 from jaxmoe.attention.blockwise import blockwise_attention
+from jaxmoe.attention.context_parallel import context_parallel_size, from_zigzag, to_zigzag
+from jaxmoe.attention.mla_context import ring_mla_attention
 from jaxmoe.config import ModelConfig
 from jaxmoe.nn import RMSNorm, apply_rope, dense, param, rope_frequencies, yarn_mscale
 from jaxmoe.nn.linear import normal
@@ -171,7 +172,7 @@ class MLA(nnx.Module):
         With a mesh whose ``context`` axis has size P > 1 this is ring attention
         (:meth:`context_parallel`); T must then be a multiple of 2P.
         """
-        if cp.context_parallel_size() > 1:
+        if context_parallel_size() > 1:
             return self.context_parallel(x, positions)
         with jax.named_scope("mla"):
             q_nope, q_rope = self.queries(x, positions)
@@ -192,11 +193,11 @@ class MLA(nnx.Module):
         the caller's layout stays contiguous; the kv latents, not per-head K/V, circulate.
         """
         with jax.named_scope("mla_ring"):
-            x, positions = cp.to_zigzag(x), cp.to_zigzag(positions)
+            x, positions = to_zigzag(x), to_zigzag(positions)
             q_nope, q_rope = self.queries(x, positions)
             c_kv, k_rope = self.latents(x, positions)
             q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + R]
-            out = cp.ring_mla_attention(
+            out = ring_mla_attention(
                 q,
                 c_kv,
                 k_rope,
@@ -208,7 +209,7 @@ class MLA(nnx.Module):
             )
             with jax.named_scope("out_proj"):
                 y = dense("BTNH,NHD->BTD", out, self.o)
-            return cp.from_zigzag(y)
+            return from_zigzag(y)
 
     def attend_latent(
         self,

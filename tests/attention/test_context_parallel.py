@@ -17,6 +17,7 @@ from jaxmoe.attention import context_parallel as cp
 from jaxmoe.attention.blockwise import attention_reference
 from jaxmoe.attention.kda import KDA, KDAState
 from jaxmoe.attention.mla import MLA
+from jaxmoe.attention.mla_context import ring_mla_attention
 from jaxmoe.config import KDAConfig, MeshConfig, MLAConfig, ModelConfig, RopeConfig
 from jaxmoe.sharding import make_mesh
 
@@ -114,7 +115,7 @@ def test_ring_attention_function_matches_dense_reference(p):
         return attention_reference(q, k, kv[..., Hn:], q_pos, kv_pos, 0.3)
 
     def ring(q, c_kv, k_rope, kv_b):
-        return cp.ring_mla_attention(q, c_kv, k_rope, kv_b, q_pos, kv_pos, 0.3, nope_dim=Hn, block_q=4, block_k=3)
+        return ring_mla_attention(q, c_kv, k_rope, kv_b, q_pos, kv_pos, 0.3, nope_dim=Hn, block_q=4, block_k=3)
 
     def value_and_grads(fn):
         loss = lambda *a: jnp.sum(fn(*a) * cot)  # noqa: E731

@@ -11,7 +11,8 @@ from flax import nnx
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
-from jaxmoe.attention.kda import KDA, KDAState, chunked_delta_rule, l2norm, recurrent_delta_rule
+from jaxmoe.attention.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from jaxmoe.attention.kda import KDA, KDAState, l2norm
 from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.hf_kda import load_kda
 from jaxmoe.config import KDAConfig, ModelConfig
