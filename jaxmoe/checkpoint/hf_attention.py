@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxmoe.attention.dsa import DSA
 from jaxmoe.attention.mla import MLA
-from jaxmoe.checkpoint.hf_common import CheckpointError, assign, linear_heads_out, linear_in_out, take
+from jaxmoe.checkpoint.hf_common import assign, linear_heads_out, linear_in_out, take
+from jaxmoe.errors import CheckpointError
 
 # Projections that HF gives a bias when ``attention_bias`` is set; jaxmoe has none.
 _BIAS_FREE = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj")

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor, or holds one of the wrong shape or values."""
+# CheckpointError lives in jaxmoe.errors; importing it from here still works (tests and scripts do).
+from jaxmoe.errors import CheckpointError
 
 
 def take(tensors: Mapping[str, np.ndarray], key: str) -> np.ndarray:

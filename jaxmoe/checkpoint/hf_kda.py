@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from jaxmoe.attention.kda import KDA
-from jaxmoe.checkpoint.hf_common import CheckpointError, assign, linear_heads_out, linear_in_out, take
+from jaxmoe.checkpoint.hf_common import assign, linear_heads_out, linear_in_out, take
+from jaxmoe.errors import CheckpointError
 
 
 def load_kda(module: KDA, tensors: Mapping[str, np.ndarray], prefix: str) -> None:

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxmoe.checkpoint.hf_common import CheckpointError, assign, take
+from jaxmoe.checkpoint.hf_common import assign, take
+from jaxmoe.errors import CheckpointError
 from jaxmoe.moe import MLP, MoE
 
 

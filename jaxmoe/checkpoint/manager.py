@@ -28,9 +28,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.integrity import json_record, restore_pytree, tree_records, verify_json
 from jaxmoe.config import Config, from_config_dict
+from jaxmoe.errors import CheckpointError
 from jaxmoe.paths import Path, resolve
 
 PYTREE_ITEMS = ("params", "opt_state")

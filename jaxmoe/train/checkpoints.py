@@ -24,9 +24,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, from_config_dict, validate
+from jaxmoe.errors import CheckpointError
 from jaxmoe.model import abstract_model
 from jaxmoe.paths import Path, is_uri, resolve, upload_tree
 

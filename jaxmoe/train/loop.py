@@ -28,7 +28,6 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import (
     MESH_AXES,
@@ -37,6 +36,7 @@ from jaxmoe.config import (
     validate_training,
 )
 from jaxmoe.data.pipeline import PackedBatches, build_token_data, heldout_batches
+from jaxmoe.errors import CheckpointError
 from jaxmoe.paths import Path, is_uri, resolve
 from jaxmoe.sharding import make_mesh
 from jaxmoe.train.checkpoints import (

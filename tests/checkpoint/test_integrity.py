@@ -18,9 +18,9 @@ from flax import nnx
 
 from jaxmoe import cli
 from jaxmoe.checkpoint import integrity
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.io import load_model, save_model, write_checkpoint
 from jaxmoe.config import from_config_dict, load_config_dict
+from jaxmoe.errors import CheckpointError
 from jaxmoe.model import abstract_model
 from jaxmoe.quant import quantize_state
 

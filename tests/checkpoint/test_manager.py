@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.manager import CheckpointManager, abstract_target
 from jaxmoe.config import MeshConfig, from_config_dict, load_config_dict
+from jaxmoe.errors import CheckpointError
 from jaxmoe.model import abstract_model
 from jaxmoe.quant import quantize_state
 from jaxmoe.sharding import make_mesh, state_shardings
