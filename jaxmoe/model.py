@@ -104,7 +104,7 @@ class Transformer(nnx.Module):
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(self.cfg.dtype))  # [B, T, D]
+        x = self.embed_tokens(tokens)  # [B, T, D]
         x = constrain(x, ACTIVATION_AXES)
         call = _remat_layer if remat else DecoderLayer.__call__
         for i, layer in enumerate(self.layers):
@@ -114,11 +114,17 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
         x = self.hidden(tokens, positions, remat=remat)
+        return constrain(self.head(x), ("batch", "seq", "vocab"))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """``tokens[...]`` -> embeddings ``[..., D]`` in the compute dtype."""
+        return jnp.take(self.embed[...], tokens, axis=0).astype(_dtype(self.cfg.dtype))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final-norm hidden states ``[..., D]`` -> fp32 logits ``[..., V]``."""
         if self.cfg.tie_embeddings:
-            logits = dense("BTD,VD->BTV", x, self.embed)
-        else:
-            logits = dense("BTD,DV->BTV", x, self.lm_head)
-        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+            return dense("...D,VD->...V", x, self.embed).astype(jnp.float32)
+        return dense("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
 
 
 def create_model(cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Transformer:

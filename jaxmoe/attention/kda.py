@@ -54,12 +54,16 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 # The layer
 
 
-def short_conv(x: jax.Array, w: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+def short_conv(
+    x: jax.Array, w: jax.Array, conv_state: jax.Array, lengths: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv (before the SiLU) continuing from ``conv_state``.
 
     Args:
       x: ``[B, T, ...]`` inputs. w: ``[K, ...]`` taps, tap K-1 multiplies the current token (as
         torch conv1d). conv_state: ``[B, K-1, ...]`` the K-1 inputs before ``x``.
+      lengths: optional ``[B]`` int32: row ``b`` holds ``lengths[b]`` real tokens, the rest is
+        padding (whose outputs are garbage and which the returned state does not include).
 
     Returns:
       ``y [B, T, ...]`` and the last K-1 inputs ``[B, K-1, ...]`` (the next conv state).
@@ -67,7 +71,11 @@ def short_conv(x: jax.Array, w: jax.Array, conv_state: jax.Array) -> tuple[jax.A
     t, kw = x.shape[1], w.shape[0]
     xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, ...]
     y = sum(xp[:, j : j + t] * w[j] for j in range(kw))
-    return y, xp[:, t:]
+    if lengths is None:
+        return y, xp[:, t:]
+    # The K-1 inputs that end at the last real token: xp[lengths : lengths + K-1].
+    idx = lengths[:, None] + jnp.arange(kw - 1, dtype=lengths.dtype)[None]  # [B, K-1]
+    return y, jnp.take_along_axis(xp, idx.reshape(idx.shape + (1,) * (xp.ndim - 2)), axis=1)
 
 
 def _a_log_init(key, shape, dtype):
@@ -121,12 +129,14 @@ class KDA(nnx.Module):
             recurrent=jnp.zeros((batch_size, n, h, h), jnp.float32),
         )
 
-    def _conv(self, x: jax.Array, conv_state: jax.Array, context_parallel: bool = False) -> tuple[jax.Array, jax.Array]:
+    def _conv(
+        self, x: jax.Array, conv_state: jax.Array, context_parallel: bool = False, lengths: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """q, k, v projections through the causal depthwise convs and SiLU.
 
         Returns ``[B, T, 3, N, H]`` and the new conv state ``[B, K-1, 3, N, H]``. With
         ``context_parallel`` the sequence is split over the ``context`` mesh axis and each shard
-        takes its halo from the previous one.
+        takes its halo from the previous one. ``lengths`` as :func:`short_conv`.
         """
         with jax.named_scope('qkv'):
             qkv = jnp.stack([dense('BTD,DNH->BTNH', x, w) for w in (self.q, self.k, self.v)], axis=2)
@@ -136,13 +146,17 @@ class KDA(nnx.Module):
             if context_parallel:
                 y, conv_state = context_parallel_conv(qkv, w, conv_state, short_conv)
             else:
-                y, conv_state = short_conv(qkv, w, conv_state)
+                y, conv_state = short_conv(qkv, w, conv_state, lengths)
         return jax.nn.silu(y), conv_state
 
-    def _inputs(self, x: jax.Array, state: KDAState, context_parallel: bool = False):
-        """Everything the delta rule reads, and the new conv state."""
+    def _inputs(self, x: jax.Array, state: KDAState, context_parallel: bool = False, lengths: jax.Array | None = None):
+        """Everything the delta rule reads, and the new conv state.
+
+        With ``lengths [B]``, tokens at or past ``lengths[b]`` are padding: their decay and write
+        strength are zero, so the delta-rule state after the row is the state after its last real token.
+        """
         x = x.astype(self.dtype)
-        qkv, conv_state = self._conv(x, state.conv, context_parallel)
+        qkv, conv_state = self._conv(x, state.conv, context_parallel, lengths)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, N, H] each
         # FLA normalises in fp32.
         q = l2norm(q.astype(jnp.float32)) * self.head_dim**-0.5
@@ -155,6 +169,10 @@ class KDA(nnx.Module):
             f = f.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
             g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(f)  # [B, T, N, H]
             beta = jax.nn.sigmoid(dense('BTD,DN->BTN', x, self.b).astype(jnp.float32))
+        if lengths is not None:
+            real = jnp.arange(x.shape[1])[None] < lengths[:, None]  # [B, T]
+            g = jnp.where(real[:, :, None, None], g, 0.0)
+            beta = jnp.where(real[:, :, None], beta, 0.0)
         return (q, k, v, g, beta), conv_state
 
     def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
@@ -166,12 +184,16 @@ class KDA(nnx.Module):
             o = (o * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
             return dense('BTNH,NHD->BTD', o, self.o)
 
-    def forward_with_state(self, x: jax.Array, state: KDAState | None = None) -> tuple[jax.Array, KDAState]:
+    def forward_with_state(
+        self, x: jax.Array, state: KDAState | None = None, lengths: jax.Array | None = None
+    ) -> tuple[jax.Array, KDAState]:
         """Chunked forward that starts from ``state`` and returns the state after ``x``.
 
         Args:
           x: ``[B, T, D]``.
           state: a :class:`KDAState` for batch B, or None (zeros: the start of a sequence).
+          lengths: optional ``[B]`` int32 real tokens per row (the inference engine's padded
+            prefill chunks); the returned state is the one after each row's last real token.
 
         Returns:
           ``y [B, T, D]`` in the compute dtype, and the state after the last token.
@@ -182,10 +204,12 @@ class KDA(nnx.Module):
         state = self.init_state(x.shape[0]) if state is None else state
         with jax.named_scope('kda'):
             if context_parallel_size() > 1:
+                if lengths is not None:
+                    raise ValueError("KDA.forward_with_state: lengths (padded rows) need a mesh without a context axis")
                 (q, k, v, g, beta), conv_state = self._inputs(x, state, context_parallel=True)
                 rule = context_parallel_delta_rule
             else:
-                (q, k, v, g, beta), conv_state = self._inputs(x, state)
+                (q, k, v, g, beta), conv_state = self._inputs(x, state, lengths=lengths)
                 rule = chunked_delta_rule
             o, recurrent = rule(q, k, v, g, beta, state.recurrent, self.chunk_size)
             return self._output(o, x), KDAState(conv_state, recurrent)

@@ -1,0 +1,324 @@
+"""The inference engine: continuous batching over paged hybrid caches, one jitted step.
+
+    engine = Engine(model, EngineConfig(cache_bytes=2**30), eos_id=tokenizer.eos_id)
+    outputs = engine.generate([Request(prompt_ids=(...), max_tokens=64)])
+
+Each :meth:`Engine.step` asks the :class:`Scheduler` for rows, zeroes freed pages and slots and
+copies prefix pages (one small program), then runs the model over the rows
+(:func:`jaxmoe.inference.forward.forward`) and samples the next token of every row that reached
+the end of its pending tokens. Shapes are bucketed to powers of two (rows, tokens per row,
+pages per row), so the step compiles a handful of times, not once per request.
+
+On a mesh (``Engine(..., mesh=...)``) the weights keep the training rules' sharding (tensor,
+expert, fsdp axes), the pools are replicated, and the same program runs on every device; in a
+multi-process run process 0 schedules and broadcasts each step's arrays to the others, which
+run the same jitted step (:meth:`Engine.serve_follower`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmoe.inference.allocator import pages_for
+from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain
+from jaxmoe.inference.forward import Rows, forward, last_hidden
+from jaxmoe.inference.sampler import RowSampling, sample
+from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine.
+
+    Attributes:
+      cache_bytes: device memory for the pools (pages and slots), allocated once.
+      page_size: positions per page.
+      max_seqs: most sequences running at once (each holds a KDA slot).
+      snapshot_slots: extra KDA slots for prefix snapshots.
+      step_tokens: token budget of one step (decode tokens + prefill chunks).
+      chunk_size: most prompt tokens of one sequence in one step.
+      prefix_cache: keep finished tenants' prefixes for reuse.
+    """
+
+    cache_bytes: int = 1 << 28
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_seqs: int = 16
+    snapshot_slots: int = 16
+    step_tokens: int = 256
+    chunk_size: int = 128
+    prefix_cache: bool = True
+
+    def __post_init__(self):
+        for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_slots < 0:
+            raise ValueError(f"EngineConfig.snapshot_slots must be >= 0, got {self.snapshot_slots}")
+
+
+@dataclasses.dataclass
+class Completion:
+    """What a request produced."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled"
+    text: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    """The power of two at or above ``max(n, minimum)``."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def _step(graphdef, spec: CacheSpec, all_logits: bool, state, cache, groups, sampling):
+    model = nnx.merge(graphdef, state)
+    hidden, cache = forward(model, spec, cache, groups)
+    last = jnp.concatenate([last_hidden(h, g) for h, g in zip(hidden, groups)], axis=0)  # [B, D]
+    tokens, logprobs = sample(model.head(last), sampling)
+    logits = [model.head(h) for h in hidden] if all_logits else None
+    return tokens, logprobs, cache, logits
+
+
+_step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
+
+
+class Engine:
+    """Continuous-batching generation for one model.
+
+    Args:
+      model: a :class:`jaxmoe.model.Transformer` (its MoE should use a dropless dispatch).
+      config: the :class:`EngineConfig`.
+      eos_id: the end-of-sequence id (None: only ``max_tokens`` and stop strings end a request).
+      detokenize: ids -> text, for stop strings and ``Completion.text``.
+      mesh: optional mesh the model is sharded over.
+    """
+
+    def __init__(
+        self,
+        model,
+        config: EngineConfig = EngineConfig(),
+        *,
+        eos_id: int | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.cfg = model.cfg
+        self.config = config
+        self.eos_id, self.detokenize, self.mesh = eos_id, detokenize, mesh
+        num_slots = config.max_seqs + config.snapshot_slots
+        self.spec = CacheSpec.from_budget(
+            model.cfg, config.cache_bytes, num_slots=num_slots, page_size=config.page_size
+        )
+        self.graphdef, self.state = nnx.split(model)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        self.cache = self.spec.init(sharding)
+        self.scheduler = Scheduler(
+            num_pages=self.spec.num_pages,
+            num_slots=num_slots,
+            page_size=config.page_size,
+            max_seqs=config.max_seqs,
+            step_tokens=config.step_tokens,
+            chunk_size=config.chunk_size,
+            prefix_cache=config.prefix_cache,
+        )
+        self._next_id = 0
+        self.sequences: dict[int, Sequence] = {}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0}
+
+    # ------------------------------------------------------------------------------------
+    # Requests
+
+    def submit(self, request: Request) -> int:
+        """Queues ``request``; returns its id.
+
+        Raises:
+          ValueError: naming the field, for an empty prompt, ids outside the vocabulary, or a
+            prompt plus ``max_tokens`` longer than ``model.max_context`` or than the page pool.
+        """
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise ValueError("prompt_ids must not be empty")
+        V = self.cfg.vocab_size
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"prompt_ids must be in [0, {V}): got ids from {min(prompt)} to {max(prompt)}")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        total = len(prompt) + request.max_tokens
+        if total > self.cfg.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the model's "
+                f"max_context {self.cfg.max_context}"
+            )
+        capacity = self.scheduler.pages.capacity * self.config.page_size
+        if self.spec.token_bytes and total > capacity:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the page pool "
+                f"({self.scheduler.pages.capacity} pages x {self.config.page_size} = {capacity} tokens); raise the "
+                "cache budget"
+            )
+        if request.stop and self.detokenize is None:
+            raise ValueError("stop strings need a detokenizer (a checkpoint with a tokenizer)")
+        seq = Sequence(id=self._next_id, request=request, tokens=prompt)
+        self._next_id += 1
+        self.sequences[seq.id] = seq
+        self.scheduler.submit(seq)
+        return seq.id
+
+    def cancel(self, seq_id: int) -> None:
+        """Stops a waiting or running request; its pages and slot go back to the pools."""
+        seq = self.sequences[seq_id]
+        if seq.finish_reason is None:
+            self.scheduler.finish(seq, "cancelled")
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def completion(self, seq_id: int) -> Completion:
+        seq = self.sequences[seq_id]
+        return Completion(
+            output_ids=list(seq.output),
+            logprobs=list(seq.logprobs),
+            finish_reason=seq.finish_reason,
+            text=seq.text,
+            prompt_tokens=len(seq.request.prompt_ids),
+            cached_tokens=seq.cached_tokens,
+        )
+
+    def generate(self, requests: Iterable[Request], progress: Callable[[int], None] | None = None) -> list[Completion]:
+        """Runs ``requests`` together to completion; results in input order."""
+        ids = [self.submit(r) for r in requests]
+        while self.has_work():
+            done = self.step()
+            if progress is not None and done:
+                progress(len(done))
+        return [self.completion(i) for i in ids]
+
+    # ------------------------------------------------------------------------------------
+    # A step
+
+    def step(self) -> list[int]:
+        """Schedules and runs one step; returns the ids of the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.zero_pages or plan.zero_slots or plan.copy_pages or plan.copy_slots:
+            self.cache = maintain(
+                self.cache,
+                self.spec,
+                zero_pages=plan.zero_pages,
+                zero_slots=plan.zero_slots,
+                copy_pages=plan.copy_pages,
+                copy_slots=plan.copy_slots,
+            )
+        if not plan.rows:
+            return []
+        groups, sampling, order = self._arrays(plan)
+        tokens, logprobs = self.run_arrays(groups, sampling)
+        self.stats["steps"] += 1
+        return self._advance(plan, order, np.asarray(tokens), np.asarray(logprobs))
+
+    def run_arrays(self, groups, sampling, all_logits: bool = False):
+        """The jitted step on host arrays (what every process of a multi-process run executes)."""
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            tokens, logprobs, self.cache, logits = _step_jit(
+                self.graphdef, self.spec, all_logits, self.state, self.cache, groups, sampling
+            )
+        return (tokens, logprobs, logits) if all_logits else (tokens, logprobs)
+
+    def _arrays(self, plan: Plan):
+        """Host arrays of the plan: the decode group (T = 1) and the prefill group, bucketed."""
+        decode = [(s, n) for s, n in plan.rows if s.pending == 1]
+        prefill = [(s, n) for s, n in plan.rows if s.pending > 1]
+        groups, order = [], []
+        for rows, is_decode in ((decode, True), (prefill, False)):
+            if rows:
+                groups.append(self._group(rows, is_decode))
+                order += [s for s, _ in rows] + [None] * (groups[-1].tokens.shape[0] - len(rows))
+        sampling = _sampling(order)
+        return tuple(groups), sampling, order
+
+    def _group(self, rows: list[tuple[Sequence, int]], is_decode: bool) -> Rows:
+        B = _bucket(len(rows))
+        T = 1 if is_decode else _bucket(max(n for _, n in rows), minimum=8)
+        M = _bucket(max(pages_for(s.computed + n, self.config.page_size) for s, n in rows))
+        tokens = np.zeros((B, T), np.int32)
+        start = np.zeros((B,), np.int32)
+        length = np.zeros((B,), np.int32)
+        pages = np.zeros((B, M), np.int32)
+        slot = np.full((B,), self.spec.num_slots, np.int32)
+        for b, (s, n) in enumerate(rows):
+            tokens[b, :n] = s.tokens[s.computed : s.computed + n]
+            start[b], length[b] = s.computed, n
+            pages[b, : len(s.pages)] = s.pages
+            slot[b] = s.slot
+        return Rows(tokens, start, length, pages, slot)
+
+    def _advance(self, plan, order, tokens, logprobs) -> list[int]:
+        """Book-keeping after the step: computed counts, sampled tokens, stops."""
+        done = []
+        sizes = {id(s): n for s, n in plan.rows}
+        for i, seq in enumerate(order):
+            if seq is None:
+                continue
+            n = sizes[id(seq)]
+            key = "decode_tokens" if seq.pending == 1 else "prefill_tokens"
+            self.stats[key] += n
+            seq.computed += n
+            if seq.pending > 0:  # a prompt chunk that did not reach the end: nothing to sample
+                continue
+            token = int(tokens[i])
+            seq.tokens.append(token)
+            seq.output.append(token)
+            seq.logprobs.append(float(logprobs[i]))
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._set_text(seq)
+                self.scheduler.finish(seq, reason)
+                done.append(seq.id)
+        return done
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        r = seq.request
+        if token == self.eos_id and not r.ignore_eos:
+            return "stop"
+        if r.stop and any(s in self._text(seq) for s in r.stop):
+            return "stop"
+        if len(seq.output) >= r.max_tokens:
+            return "length"
+        return None
+
+    def _text(self, seq: Sequence) -> str:
+        ids = seq.output[:-1] if seq.output and seq.output[-1] == self.eos_id else seq.output
+        return self.detokenize(ids)
+
+    def _set_text(self, seq: Sequence) -> None:
+        if self.detokenize is None:
+            return
+        text = self._text(seq)
+        cuts = [text.find(s) for s in seq.request.stop if s in text]
+        seq.text = text[: min(cuts)] if cuts else text
+
+
+def _sampling(order: list) -> RowSampling:
+    B = len(order)
+    temperature = np.zeros((B,), np.float32)
+    top_p = np.ones((B,), np.float32)
+    top_k = np.zeros((B,), np.int32)
+    seed = np.zeros((B,), np.uint32)
+    index = np.zeros((B,), np.int32)
+    for b, seq in enumerate(order):
+        if seq is None:
+            continue
+        p = seq.request.sampling
+        temperature[b], top_p[b], top_k[b], seed[b] = p.temperature, p.top_p, p.top_k, p.seed
+        index[b] = len(seq.output)
+    return RowSampling(temperature, top_p, top_k, seed, index)

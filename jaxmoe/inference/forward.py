@@ -1,0 +1,201 @@
+"""The model's forward over the engine's pools: chunked prefill and one-token decode, per kind.
+
+A step's tokens come in *groups* (:class:`Rows`), each a padded ``[B, T]`` block: the decode
+group (T = 1, one new token per running sequence) and the prefill group (T up to the chunk
+size, a slice of one prompt per row). Token-wise work (norms, projections, the MoE) runs on all
+of a step's tokens at once, so the MoE routes them together as in training (dropless). Attention
+runs per group, against the pools:
+
+- ``mla``: the new tokens' latents are written to their pages, then the queries attend to the
+  row's pages in the absorbed form (MQA over the latent: per-head K/V are never built).
+- ``dsa``: the latents and indexer keys are written; the indexer scores every cached key of
+  the row, the exact top-k is taken, and the absorbed attention reads only those latents.
+- ``kda``: the row's slot state is the initial state; prefill runs the chunked delta rule
+  (padding tokens neither decay nor write), decode the recurrent step; the state goes back.
+
+Shape letters: B rows, T new tokens per row, M pages per row, P page size, S = M * P cached
+positions a row can see, D model dim, V vocab, W latent width, C kv latent dim, K top-k.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmoe.attention.dsa_topk import index_scores
+from jaxmoe.attention.kda import KDAState
+from jaxmoe.inference.cache import CacheSpec
+
+
+class Rows(NamedTuple):
+    """One group of a step: B rows of up to T new tokens each.
+
+    Attributes:
+      tokens: ``[B, T]`` int32 new tokens, row ``b`` valid in ``[0, length[b])``.
+      start: ``[B]`` int32 tokens of the row's sequence already in the pools (the position of
+        ``tokens[b, 0]``).
+      length: ``[B]`` int32 valid new tokens; 0 for a padding row.
+      pages: ``[B, M]`` int32 the row's page table (null page 0 past its pages).
+      slot: ``[B]`` int32 the row's KDA slot; out of range (``num_slots``) for a padding row.
+    """
+
+    tokens: jax.Array
+    start: jax.Array
+    length: jax.Array
+    pages: jax.Array
+    slot: jax.Array
+
+    def positions(self) -> jax.Array:
+        """``[B, T]`` absolute positions of the new tokens."""
+        return self.start[:, None] + jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None]
+
+    def valid(self) -> jax.Array:
+        """``[B, T]`` bool: real tokens (not padding)."""
+        return jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None] < self.length[:, None]
+
+
+def _write_rows(rows: Rows, page_size: int, num_pages: int) -> jax.Array:
+    """``[B, T]`` flat pool rows the new tokens are written to; ``G * P`` (dropped) for padding."""
+    pos = rows.positions()
+    M = rows.pages.shape[1]
+    page = jnp.take_along_axis(rows.pages, jnp.clip(pos // page_size, 0, M - 1), axis=1)
+    flat = page * page_size + pos % page_size
+    return jnp.where(rows.valid(), flat, num_pages * page_size)
+
+
+def _write_and_read(pool: jax.Array, new: jax.Array, rows: Rows) -> tuple[jax.Array, jax.Array]:
+    """Writes ``new[B, T, W]`` into ``pool[G, P, W]``, then reads every row's pages.
+
+    Returns:
+      the updated pool and the row's cached entries ``[B, S, W]`` (position ``s`` at index ``s``).
+    """
+    G, P, W = pool.shape
+    flat = pool.reshape(G * P, W).at[_write_rows(rows, P, G)].set(new.astype(pool.dtype), mode="drop")
+    pool = flat.reshape(G, P, W)
+    B, M = rows.pages.shape
+    return pool, pool[rows.pages].reshape(B, M * P, W)  # [B, M, P, W] -> [B, S, W]
+
+
+def _kv_positions(rows: Rows, seen: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(seen.shape[1], dtype=jnp.int32), seen.shape[:2])  # [B, S]
+
+
+def mla_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """An ``mla`` layer (or a ``dsa`` layer in its dense warm-up) over its latent pages.
+
+    Args:
+      attn: the layer's :class:`jaxmoe.attention.MLA`.
+      x: ``[B, T, D]`` normed layer input of the new tokens.
+      rows: the group.
+      pool: ``[G, P, W]`` the layer's latent pages.
+
+    Returns:
+      ``y[B, T, D]`` and the updated pool.
+    """
+    pos = rows.positions()
+    c_kv, k_rope = attn.latents(x, pos)
+    pool, seen = _write_and_read(pool, jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), rows)
+    C = c_kv.shape[-1]
+    y = attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(rows, seen))
+    return y, pool
+
+
+def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Array):
+    """A ``dsa`` layer: indexer over every cached key of the row, exact top-k, sparse attention.
+
+    Returns:
+      ``y[B, T, D]``, the updated latent pool ``[G, P, W]`` and indexer pool ``[G, P, I]``.
+    """
+    pos = rows.positions()
+    q_latent = attn.query_latent(x)
+    with jax.named_scope("indexer"):
+        q_index, w_index = attn.indexer.query_terms(x, q_latent, pos)
+        index_pool, keys = _write_and_read(index_pool, attn.indexer.keys(x, pos), rows)
+    c_kv, k_rope = attn.latents(x, pos)
+    pool, seen = _write_and_read(pool, jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), rows)
+    if attn.dense_attention:
+        C = c_kv.shape[-1]
+        return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(rows, seen)), pool, index_pool
+    kv_pos = _kv_positions(rows, seen)
+    with jax.named_scope("indexer_topk"):
+        scores = index_scores(q_index, w_index, keys, pos, kv_pos)  # [B, T, S]
+        K = min(attn.cfg.indexer.topk, scores.shape[-1])
+        _, indices = jax.lax.top_k(scores, K)  # ties: lowest position first, as the reference
+        valid = indices <= pos[:, :, None]
+    q_nope, q_rope = attn.queries(x, pos, q_latent)
+    C = c_kv.shape[-1]
+    y, _ = attn.attend_selected(q_nope, q_rope, seen[..., :C], seen[..., C:], indices, valid)
+    return y, pool, index_pool
+
+
+def kda_rows(attn, x: jax.Array, rows: Rows, conv: jax.Array, state: jax.Array):
+    """A ``kda`` layer on the rows' slots: chunked prefill, or the recurrent step when T == 1.
+
+    A row whose ``start`` is 0 begins from the zero state whatever its slot holds.
+
+    Returns:
+      ``y[B, T, D]`` and the updated ``conv[Z, K-1, 3, N, H]`` and ``state[Z, N, H, V]`` pools.
+    """
+    fresh = (rows.start == 0)[:, None, None, None]
+    conv0 = jnp.where(fresh[..., None], 0, conv.at[rows.slot].get(mode="fill", fill_value=0))
+    state0 = jnp.where(fresh, 0, state.at[rows.slot].get(mode="fill", fill_value=0))
+    initial = KDAState(conv0.astype(conv.dtype), state0.astype(jnp.float32))
+    if x.shape[1] == 1:
+        y, new = attn.step(x, initial)
+    else:
+        y, new = attn.forward_with_state(x, initial, lengths=rows.length)
+    conv = conv.at[rows.slot].set(new.conv.astype(conv.dtype), mode="drop")
+    state = state.at[rows.slot].set(new.recurrent, mode="drop")
+    return y, conv, state
+
+
+def _attention(layer, i: int, spec: CacheSpec, x: jax.Array, rows: Rows, cache: dict) -> jax.Array:
+    """Runs layer ``i``'s attention on one group, updating ``cache`` (a dict of lists) in place."""
+    kind = layer.kind
+    if kind == "kda":
+        j = spec.kda_layers.index(i)
+        y, cache["conv"][j], cache["state"][j] = kda_rows(layer.attn, x, rows, cache["conv"][j], cache["state"][j])
+        return y
+    j = spec.latent_layers.index(i)
+    if kind == "dsa":
+        d = spec.index_layers.index(i)
+        y, cache["latent"][j], cache["index"][d] = dsa_rows(layer.attn, x, rows, cache["latent"][j], cache["index"][d])
+        return y
+    y, cache["latent"][j] = mla_rows(layer.attn, x, rows, cache["latent"][j])
+    return y
+
+
+def forward(model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...]) -> tuple[list[jax.Array], dict]:
+    """Every layer over the groups' new tokens, reading and writing the pools.
+
+    Args:
+      model: the :class:`jaxmoe.model.Transformer`.
+      spec: the pools' :class:`CacheSpec`.
+      cache: the pools (as :meth:`CacheSpec.init` makes them).
+      groups: the step's groups (empty groups are left out by the caller).
+
+    Returns:
+      per group the final-norm hidden states ``[B, T, D]``, and the updated pools.
+    """
+    cache = {k: list(v) for k, v in cache.items()}
+    xs = [model.embed_tokens(g.tokens) for g in groups]
+    sizes = [x.shape[0] * x.shape[1] for x in xs]
+    D = model.cfg.d_model
+    for i, layer in enumerate(model.layers):
+        with jax.named_scope(f"layer_{i}"):
+            xs = [x + _attention(layer, i, spec, layer.attn_norm(x), g, cache) for x, g in zip(xs, groups)]
+            # The FFN sees all of the step's tokens at once: [N, 1, D], N = sum of B * T.
+            flat = jnp.concatenate([x.reshape(-1, 1, D) for x in xs], axis=0)
+            flat = flat + layer.ffn(layer.ffn_norm(flat))
+            parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist(), axis=0)
+            xs = [p.reshape(x.shape) for p, x in zip(parts, xs)]
+    return [model.final_norm(x) for x in xs], cache
+
+
+def last_hidden(h: jax.Array, rows: Rows) -> jax.Array:
+    """``h[B, T, D]`` at each row's last new token -> ``[B, D]``."""
+    idx = jnp.clip(rows.length - 1, 0, h.shape[1] - 1)
+    return jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
