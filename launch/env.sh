@@ -19,3 +19,8 @@ fi
 export PATH="$ROOT/.venv/bin:$PATH"
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+# glibc: a fixed 1 MiB mmap threshold, so that every large block freed goes back to the OS. By
+# default glibc raises the threshold after large frees, and `jaxmoe convert`, which reads, stacks and
+# drops thousands of MB-sized tensors, then peaks with the model's size instead of its largest tensor.
+# jaxmoe itself never tunes malloc; launchers set it.
+export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1048576}"

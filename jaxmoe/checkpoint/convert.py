@@ -7,7 +7,9 @@ row chunks of at most :data:`CHUNK_ELEMENTS` (so the quantizer's temporaries sta
 (:class:`jaxmoe.checkpoint.io.ArrayTreeWriter`) and dropped before the next. Peak host memory is
 about twice the largest float tensor (the HF importer stacks routed experts ``[E, in, out]`` from
 per-expert tensors, then hands the stack over as a JAX array) plus a fixed ~1 GB (JAX, the
-pending write group, chunk temporaries). ``benchmarks/convert_memory.py`` measures it.
+pending write group, chunk temporaries), with glibc's mmap threshold fixed so that freed tensors
+go back to the OS (``MALLOC_MMAP_THRESHOLD_=1048576``, set by ``launch/env.sh``: library code does
+not tune malloc). ``benchmarks/convert_memory.py`` measures it.
 
 MXFP4 weights are the routed experts (:data:`jaxmoe.quant.ROUTED_EXPERTS`), packed along their
 contracting axis exactly as :func:`jaxmoe.quant.quantize_state` packs them (see
@@ -20,22 +22,20 @@ output is MXFP4, and dequantized (exactly) otherwise.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import pathlib
 import re
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from tqdm import tqdm
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.io import CheckpointReader, checkpoint_writer, config_to_dict
+from jaxmoe.checkpoint.safetensors_folder import SafetensorsFolder
 from jaxmoe.config import Config, from_config_dict
+from jaxmoe.errors import CheckpointError
 
 CHUNK_ELEMENTS = 1 << 23  # 32 MB of float32 per quantizer call
 QUANT_FORMATS = ("mxfp4",)
@@ -97,20 +97,6 @@ def _with_mxfp4(cfg: Config, names: tuple[str, ...]) -> Config:
     return from_config_dict(values)
 
 
-def _release_freed_memory() -> None:
-    """Makes glibc hand large freed blocks back to the OS (a fixed mmap threshold of 1 MiB).
-
-    By default glibc raises its mmap threshold after large frees, so the per-expert tensors a
-    conversion reads, stacks and drops (MBs each, thousands of them) end up in a fragmented heap
-    that never shrinks: peak RSS then grows with the model instead of with the largest tensor.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
 def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
 
@@ -123,7 +109,6 @@ def quantize_checkpoint(src, dst, names: tuple[str, ...] | None = None, *, progr
     """Float jaxmoe checkpoint -> MXFP4 one (``names``: weights to pack; default the routed experts)."""
     from jaxmoe.quant import MXFP4_CONTRACTING_AXIS, ROUTED_EXPERTS  # noqa: PLC0415
 
-    _release_freed_memory()
     reader = CheckpointReader(src)
     if reader.cfg.model.mxfp4_weights:
         raise CheckpointError(
@@ -149,7 +134,6 @@ def dequantize_checkpoint(src, dst, *, progress: bool = True) -> dict:
     """MXFP4 jaxmoe checkpoint -> float one (``model.param_dtype``), exact values."""
     from jaxmoe.quant import MXFP4_CONTRACTING_AXIS  # noqa: PLC0415
 
-    _release_freed_memory()
     reader = CheckpointReader(src)
     names = reader.cfg.model.mxfp4_weights
     if not names:
@@ -175,7 +159,7 @@ def dequantize_checkpoint(src, dst, *, progress: bool = True) -> dict:
 # HF folder -> jaxmoe
 
 
-class _HFTensors(Mapping):
+class _HFTensors(SafetensorsFolder):
     """HF safetensors tensors by name, read on demand; MXFP4 pairs appear under their float name.
 
     ``tensors[key]`` is float32. For a key stored as MXFP4 it is the exact dequantized value, or,
@@ -184,48 +168,22 @@ class _HFTensors(Mapping):
     """
 
     def __init__(self, folder: pathlib.Path, passthrough):
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            where = json.loads(index.read_text())["weight_map"]
-        else:
-            single = folder / "model.safetensors"
-            if not single.is_file():
-                raise CheckpointError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
-            with safe_open(single, "numpy") as f:
-                where = {k: single.name for k in f.keys()}
-        self._files = {name: folder / name for name in set(where.values())}
-        for path in self._files.values():
-            if not path.is_file():
-                raise CheckpointError(f"shard {str(path)!r} listed in the index is missing")
-        self._where = where
+        super().__init__(folder)
         self._passthrough = passthrough
-        self.used: set[str] = set()
         self.packed_names: dict[str, tuple[str, str]] = {}
-        for key in where:
+        for key in self.stored:
             if key.endswith("_blocks"):
                 base = key[: -len("_blocks")]
-                if base + "_scales" not in where:
+                if base + "_scales" not in self.stored:
                     raise CheckpointError(f"tensor {key!r} has no matching {base + '_scales'!r}")
                 name = base if base.endswith(".weight") else base + ".weight"
-                if name in where:
+                if name in self.stored:
                     raise CheckpointError(f"tensor {name!r} is stored both as float and as MXFP4 ({key!r})")
                 self.packed_names[name] = (key, base + "_scales")
 
-    def _file(self, key: str):
-        return safe_open(self._files[self._where[key]], "flax")
-
-    def _shape(self, key: str) -> tuple[int, ...]:
-        with self._file(key) as f:
-            return tuple(f.get_slice(key).get_shape())
-
     def packed(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """The stored ``(blocks, scales)`` uint8 of the MXFP4 tensor ``name``."""
-        out = []
-        for key in self.packed_names[name]:
-            self.used.add(key)
-            with safe_open(self._files[self._where[key]], "numpy") as f:
-                out.append(f.get_tensor(key))
-        blocks, scales = out
+        blocks, scales = (self.raw(key) for key in self.packed_names[name])
         if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
             raise CheckpointError(
                 f"MXFP4 tensors {self.packed_names[name]} must be uint8 [..., G, 16] and [..., G], got "
@@ -234,24 +192,22 @@ class _HFTensors(Mapping):
         return blocks, scales
 
     def __getitem__(self, key: str) -> np.ndarray:
-        if key in self._where:
-            self.used.add(key)
-            with self._file(key) as f:  # the flax reader handles bfloat16 (numpy's does not)
-                return np.asarray(f.get_tensor(key), np.float32)
+        if key in self.stored:
+            return super().__getitem__(key)
         if key not in self.packed_names:
             raise KeyError(key)
         if self._passthrough(key):
-            blocks_shape = self._shape(self.packed_names[key][0])
+            blocks_shape = self.shape(self.packed_names[key][0])
             return np.broadcast_to(np.float32(0), (*blocks_shape[:-2], blocks_shape[-2] * 32))
 
         blocks, scales = self.packed(key)
         return dequantize_array(blocks, scales, blocks.ndim - 2, np.float32)
 
     def __contains__(self, key) -> bool:
-        return key in self._where or key in self.packed_names
+        return key in self.stored or key in self.packed_names
 
     def __iter__(self) -> Iterator[str]:
-        yield from (k for k in self._where if not k.endswith(("_blocks", "_scales")))
+        yield from (k for k in self.stored if not k.endswith(("_blocks", "_scales")))
         yield from self.packed_names
 
     def __len__(self) -> int:
@@ -291,6 +247,43 @@ def _mirror(node, paths: dict, emit, sinks: list):
     return node
 
 
+def _routed_experts_mxfp4(
+    tensors: _HFTensors, keys: list[str], value, axis: int
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``(blocks, scales, stored)`` of one stacked routed-expert weight ``value [E, ...]``.
+
+    ``keys`` are the HF names of its experts, in order. When every one is stored as MXFP4 their
+    bytes are stacked and passed through (``stored`` True; ``value`` is then a placeholder of the
+    right shape); when none is, ``value`` is quantized along ``axis``; a mix is refused.
+    """
+    packed = [k in tensors.packed_names for k in keys]
+    if any(packed) and not all(packed):
+        raise CheckpointError(f"routed experts {keys[0]!r}...: some are stored as MXFP4 and some as float; all or none")
+    if not all(packed):
+        return (*quantize_array(value, axis), False)
+    parts = [tensors.packed(k) for k in keys]
+    blocks, scales = np.stack([b for b, _ in parts]), np.stack([s for _, s in parts])
+    want = quantize_shapes(value.shape, axis)
+    if (blocks.shape, scales.shape) != want:
+        raise CheckpointError(
+            f"MXFP4 tensors {keys[0]}_blocks/_scales... stack to {blocks.shape} and {scales.shape}, "
+            f"the model expects {want[0]} and {want[1]}"
+        )
+    return blocks, scales, True
+
+
+def _refuse_incomplete(sinks: list[_Sink], tensors: _HFTensors, written: set[str], expected: set[str], src, cfg):
+    """Raises unless every model parameter was filled, every stored tensor read and every array written."""
+    from jaxmoe.checkpoint.hf_import import refuse_unused  # noqa: PLC0415
+
+    missing = [s.path for s in sinks if not s.filled]
+    if missing:
+        raise CheckpointError(f"the HF importer did not provide model parameters {missing[:3]}")
+    refuse_unused(tensors, src, cfg.model.num_layers)
+    if written != expected:
+        raise CheckpointError(f"converted arrays differ from the model's: {sorted(written ^ expected)[:3]}")
+
+
 def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> dict:
     """HF folder (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``) -> jaxmoe checkpoint, tensor by tensor.
 
@@ -302,18 +295,14 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
     Returns:
         A summary dict (src, dst, layers, mxfp4_weights, passed_through: MXFP4 tensors kept as stored).
     """
-    from jaxmoe.checkpoint.hf_import import FFN_LAYOUT, _mtp_free, config_from_hf, load_weights  # noqa: PLC0415
+    from jaxmoe.checkpoint.hf_import import FFN_LAYOUT, config_from_hf, load_weights, read_hf_config  # noqa: PLC0415
     from jaxmoe.model import abstract_model  # noqa: PLC0415
     from jaxmoe.quant import MXFP4_CONTRACTING_AXIS, ROUTED_EXPERTS  # noqa: PLC0415
 
     if quant not in (None, *QUANT_FORMATS):
         raise CheckpointError(f"--quant {quant!r} is not supported; allowed: {QUANT_FORMATS}")
-    _release_freed_memory()
     src = pathlib.Path(src)
-    cfg_file = src / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{str(src)!r} is not an HF checkpoint folder: it has no config.json")
-    hf = json.loads(cfg_file.read_text())
+    hf = read_hf_config(src)
     float_cfg = config_from_hf(hf)
     names = tuple(ROUTED_EXPERTS) if quant else ()
     cfg = _with_mxfp4(float_cfg, names) if quant else float_cfg
@@ -341,42 +330,17 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
                     f"model.layers.{layer}.{ffn_prefix}experts.{e}.{hf_name[path[-1]]}.weight"
                     for e in range(cfg.model.moe.num_experts)
                 ]
-                packed = [k in tensors.packed_names for k in keys]
-                if all(packed):
-                    parts = [tensors.packed(k) for k in keys]
-                    blocks, scales = np.stack([b for b, _ in parts]), np.stack([s for _, s in parts])
-                    want = quantize_shapes(value.shape, MXFP4_CONTRACTING_AXIS[path[-1]])
-                    if (blocks.shape, scales.shape) != want:
-                        raise CheckpointError(
-                            f"MXFP4 tensors {keys[0]}_blocks/_scales... stack to {blocks.shape} and {scales.shape}, "
-                            f"the model expects {want[0]} and {want[1]}"
-                        )
-                    passed.extend(keys)
-                elif any(packed):
-                    raise CheckpointError(
-                        f"routed experts {keys[0]!r}...: some are stored as MXFP4 and some as float; all or none"
-                    )
-                else:
-                    blocks, scales = quantize_array(value, MXFP4_CONTRACTING_AXIS[path[-1]])
+                blocks, scales, stored = _routed_experts_mxfp4(tensors, keys, value, MXFP4_CONTRACTING_AXIS[path[-1]])
                 del value
+                if stored:
+                    passed.extend(keys)
                 writer.add((*path, "blocks"), blocks)
                 writer.add((*path, "scales"), scales)
             bar.update()
 
         sinks: list[_Sink] = []
         load_weights(_mirror(abstract, paths, emit, sinks), tensors, hf["model_type"])
-        missing = [s.path for s in sinks if not s.filled]
-        if missing:
-            raise CheckpointError(f"the HF importer did not provide model parameters {missing[:3]}")
-        unused = _mtp_free(set(tensors._where) - tensors.used, cfg.model.num_layers)
-        if unused:
-            raise CheckpointError(
-                f"checkpoint {str(src)!r} holds {len(unused)} tensors the model does not use, e.g. {sorted(unused)[:3]}"
-            )
-        if set(writer.records) != expected:
-            raise CheckpointError(
-                f"converted arrays differ from the model's: {sorted(set(writer.records) ^ expected)[:3]}"
-            )
+        _refuse_incomplete(sinks, tensors, set(writer.records), expected, src, cfg)
     return {
         "src": str(src),
         "dst": str(pathlib.Path(dst).absolute()),

@@ -13,17 +13,18 @@ import dataclasses
 import json
 import pathlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from jaxmoe.checkpoint.hf_attention import load_dsa, load_mla
-from jaxmoe.checkpoint.hf_common import CheckpointError, assign, take
+from jaxmoe.checkpoint.hf_common import assign, take
 from jaxmoe.checkpoint.hf_kda import load_kda
 from jaxmoe.checkpoint.hf_moe import DEEPSEEK_EXPERT_NAMES, KIMI_EXPERT_NAMES, load_mlp, load_moe
+from jaxmoe.checkpoint.safetensors_folder import SafetensorsFolder
 from jaxmoe.config import Config, ConfigError, MeshConfig, from_config_dict
+from jaxmoe.errors import CheckpointError
 
 SUPPORTED = ("deepseek_v3", "deepseek_v32", "kimi_linear")
 
@@ -146,47 +147,6 @@ def config_from_hf(hf: Mapping) -> Config:
     return from_config_dict(dict(model=model, mesh={}, name=f"hf_{model_type}"))
 
 
-class SafetensorsFolder(Mapping):
-    """Lazy read-only view of every tensor in an HF folder, as float32 numpy arrays.
-
-    Records which keys were read (``used``) so the importer can refuse unused tensors.
-    """
-
-    def __init__(self, folder: pathlib.Path):
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            single = folder / "model.safetensors"
-            if not single.is_file():
-                raise CheckpointError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
-            with safe_open(single, "flax") as f:
-                weight_map = {k: single.name for k in f.keys()}
-        self._files = {name: folder / name for name in set(weight_map.values())}
-        for path in self._files.values():
-            if not path.is_file():
-                raise CheckpointError(f"shard {str(path)!r} listed in the index is missing")
-        self._where = weight_map
-        self.used: set[str] = set()
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self._where:
-            raise KeyError(key)
-        self.used.add(key)
-        # The flax reader handles bfloat16 (numpy's does not).
-        with safe_open(self._files[self._where[key]], "flax") as f:
-            return np.asarray(f.get_tensor(key), np.float32)
-
-    def __contains__(self, key) -> bool:
-        return key in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
 # Saved FFN block name and routed-expert (gate, up, down) names per family: Kimi Linear keeps the
 # original checkpoint's names, which transformers renames only in memory.
 FFN_LAYOUT = {
@@ -220,26 +180,36 @@ def load_weights(model, tensors: Mapping[str, np.ndarray], model_type: str) -> N
         assign(model.lm_head, take(tensors, "lm_head.weight").T, "lm_head.weight")
 
 
+def read_hf_config(src: pathlib.Path) -> dict:
+    """The ``config.json`` of the HF folder ``src``, as a dict."""
+    cfg_file = src / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{str(src)!r} is not an HF checkpoint folder: it has no config.json")
+    return json.loads(cfg_file.read_text())
+
+
+def refuse_unused(tensors: SafetensorsFolder, src: pathlib.Path, n_layers: int) -> None:
+    """Raises unless every stored tensor was read, bar DeepSeek's multi-token-prediction layers."""
+    extra = _mtp_free(set(tensors.stored) - tensors.used, n_layers)
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {str(src)!r} holds {len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}"
+        )
+
+
 def import_hf(src: str | pathlib.Path, mesh: MeshConfig | None = None):
     """Reads an HF folder; returns ``(cfg, model)`` with the weights loaded on the host."""
     from jaxmoe.model import Transformer  # noqa: PLC0415 (the model imports every module)
 
     src = pathlib.Path(src)
-    cfg_file = src / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{str(src)!r} is not an HF checkpoint folder: it has no config.json")
-    hf = json.loads(cfg_file.read_text())
+    hf = read_hf_config(src)
     cfg = config_from_hf(hf)
     if mesh is not None:
         cfg = dataclasses.replace(cfg, mesh=mesh)
     tensors = SafetensorsFolder(src)
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     load_weights(model, tensors, hf["model_type"])
-    extra = _mtp_free(set(tensors) - tensors.used, cfg.model.num_layers)
-    if extra:
-        raise CheckpointError(
-            f"checkpoint {str(src)!r} holds {len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}"
-        )
+    refuse_unused(tensors, src, cfg.model.num_layers)
     return cfg, model
 
 
