@@ -12,8 +12,8 @@ import os
 import pathlib
 import sys
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.config import ConfigError
+from jaxmoe.errors import CheckpointError
 
 
 def _cmd_info(args) -> int:
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     logits = sub.add_parser("logits", help="float32 logits [B, T, V] of int token ids [B, T]")
-    logits.add_argument("--checkpoint", required=True, type=pathlib.Path, help="jaxmoe checkpoint directory")
+    logits.add_argument("--checkpoint", required=True, help="jaxmoe checkpoint directory: local or gs://B/P")
     logits.add_argument("--tokens", required=True, type=pathlib.Path, help="int32 .npy file [B, T]")
     logits.add_argument("--out", required=True, type=pathlib.Path, help="output .npy file")
     logits.set_defaults(fn=_cmd_logits)

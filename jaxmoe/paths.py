@@ -3,17 +3,16 @@
 A training workdir on a pod must be one every host sees and that outlives the VMs: a bucket
 (``gs://BUCKET/PATH``). :func:`resolve` keeps such a URI intact as an ``etils.epath.Path`` (GCS
 through ``gcsfs``, the ``gcs`` extra; Orbax checkpoints read and write it natively) and makes a
-local path absolute. Object stores cannot append to a file nor rename a directory, so what a run
-appends to (metrics, TensorBoard events) or writes atomically (the MXFP4 export) is written under
-a local directory first and copied up with :func:`upload_tree`.
+local path absolute. Everything is read where it lies, a bucket through ``epath`` and Orbax,
+never copied to local disk first. Object stores cannot append to a file nor rename a directory,
+so what a run appends to (metrics, TensorBoard events) or writes atomically (the MXFP4 export) is
+written under a local directory first and copied up with :func:`upload_tree`.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import shutil
-import tempfile
 
 from etils import epath
 
@@ -41,25 +40,3 @@ def upload_tree(src: pathlib.Path, dst: str | Path, *, last: str | None = None) 
         target = dst / file.relative_to(src).as_posix()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(file.read_bytes())
-
-
-def download_tree(src: Path) -> pathlib.Path:
-    """A local copy of the directory ``src`` (itself when already local); the caller owns a copy."""
-    src = resolve(src)
-    if isinstance(src, pathlib.Path):
-        return src
-    local = pathlib.Path(tempfile.mkdtemp(prefix="jaxmoe_download_"))
-    try:
-        pending = [(src, local)]
-        while pending:  # no recursive glob on buckets: one listing per directory
-            remote, here = pending.pop()
-            here.mkdir(exist_ok=True)
-            for entry in remote.iterdir():
-                if entry.is_dir():
-                    pending.append((entry, here / entry.name))
-                else:
-                    (here / entry.name).write_bytes(entry.read_bytes())
-    except BaseException:
-        shutil.rmtree(local, ignore_errors=True)
-        raise
-    return local

@@ -19,7 +19,6 @@ either returns the saved bits or raises :class:`CheckpointError` naming the arra
 from __future__ import annotations
 
 import json
-import pathlib
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +27,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
+from jaxmoe.errors import CheckpointError
+from jaxmoe.paths import Path
 
 CHECKSUM_ALGORITHM = "crc32"
 
@@ -99,7 +99,7 @@ def verify_json(value: Any, record: Mapping | None, name: str, checkpoint) -> No
         )
 
 
-def pytree_dir(item: pathlib.Path) -> pathlib.Path:
+def pytree_dir(item: Path) -> Path:
     """The Orbax pytree directory of an item (Orbax v1 partial saves nest it under ``state/``)."""
     for d in (item, item / "state"):
         if (d / "_METADATA").is_file():
@@ -109,10 +109,24 @@ def pytree_dir(item: pathlib.Path) -> pathlib.Path:
     )
 
 
-def stored_arrays(directory: pathlib.Path, checkpoint) -> dict[str, tuple[tuple, tuple[int, ...], np.dtype]]:
+def _pytree_checkpointer() -> ocp.Checkpointer:
+    """An Orbax pytree checkpointer that takes an existing item directory as complete, in a bucket too.
+
+    The directories read here lie inside a unit whose completeness is already established (a
+    model checkpoint: its ``config.json``, renamed into place or uploaded last; a training step:
+    listed by Orbax as finalized), so Orbax's own marker is not asked for again. On GCS that marker
+    is a ``commit_success.txt`` in the directory itself, which Orbax writes only at the top of what
+    it finalizes (a step, a partial save's ``params/``), never in the pytree directory below it.
+    """
+    return ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(), temporary_path_class=ocp.path.atomicity.AtomicRenameTemporaryPath
+    )
+
+
+def stored_arrays(directory: Path, checkpoint) -> dict[str, tuple[tuple, tuple[int, ...], np.dtype]]:
     """``{path: (stored key path, shape, dtype)}`` of every array in an Orbax pytree directory."""
     try:
-        with ocp.PyTreeCheckpointer() as ckptr:
+        with _pytree_checkpointer() as ckptr:
             tree = ckptr.metadata(directory).item_metadata.tree
     except Exception as e:  # noqa: BLE001 (any failure to parse the metadata is a damaged checkpoint)
         raise CheckpointError(
@@ -131,8 +145,8 @@ def _restore_args(spec):
     return ocp.ArrayRestoreArgs(sharding=spec.sharding, global_shape=spec.shape, dtype=spec.dtype)
 
 
-def _raw_restore(directory: pathlib.Path, target):
-    with ocp.PyTreeCheckpointer() as ckptr:
+def _raw_restore(directory: Path, target):
+    with _pytree_checkpointer() as ckptr:
         return ckptr.restore(
             directory,
             args=ocp.args.PyTreeRestore(
@@ -152,7 +166,7 @@ def _nested(keys: tuple, leaf) -> dict:
     return leaf
 
 
-def restore_pytree(directory: pathlib.Path, target, records: Mapping[str, dict], *, checkpoint, prefix: str = ""):
+def restore_pytree(directory: Path, target, records: Mapping[str, dict], *, checkpoint, prefix: str = ""):
     """Restores ``target`` (a pytree of ``jax.ShapeDtypeStruct``) from an Orbax pytree directory.
 
     A leaf with a sharding is restored as a ``jax.Array`` with that sharding (the checkpoint may

@@ -12,7 +12,9 @@ saves, grouped up to ``group_bytes``) into ``.DIR.incomplete`` next to ``DIR``, 
 ``DIR`` only when everything, checksums included, is on disk. A killed writer therefore leaves no
 ``DIR``, only the staging directory, which the next write to ``DIR`` removes.
 
-Reads are verified (:mod:`jaxmoe.checkpoint.integrity`): every array's CRC-32 is checked, and a
+Reads (:class:`CheckpointReader`, :func:`load_model`) take a local directory or a bucket
+(``gs://B/P``) alike and read it where it lies, through ``etils.epath`` and Orbax, with no local
+copy. They are verified (:mod:`jaxmoe.checkpoint.integrity`): every array's CRC-32 is checked, and a
 damaged checkpoint raises :class:`CheckpointError` naming the array and the checkpoint. Restore
 targets the abstract model with shardings, so a checkpoint written on one mesh restores onto
 another (or onto one device). Checkpoints here are written by one process (multi-host training
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -34,7 +37,6 @@ import numpy as np
 from flax import nnx
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.checkpoint.integrity import (
     CHECKSUM_ALGORITHM,
     array_record,
@@ -45,6 +47,8 @@ from jaxmoe.checkpoint.integrity import (
     to_host,
 )
 from jaxmoe.config import Config, ConfigError, from_config_dict
+from jaxmoe.errors import CheckpointError
+from jaxmoe.paths import Path, resolve
 from jaxmoe.sharding import state_shardings
 
 CONFIG_FILE = "config.json"
@@ -171,8 +175,8 @@ def save_model(model: nnx.Module, cfg: Config, path: str | pathlib.Path) -> path
     return write_checkpoint(path, cfg, ((k, leaf) for k, (_, leaf) in zip(keys, leaves)))
 
 
-def load_config_from_checkpoint(path: str | pathlib.Path) -> Config:
-    path = pathlib.Path(path)
+def load_config_from_checkpoint(path: str | os.PathLike) -> Config:
+    path = resolve(path)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise ConfigError(f"{str(path)!r} is not a jaxmoe checkpoint: it has no {CONFIG_FILE}")
@@ -183,7 +187,7 @@ def load_config_from_checkpoint(path: str | pathlib.Path) -> Config:
     return from_config_dict(values)
 
 
-def load_checksums(path: pathlib.Path) -> dict[str, dict]:
+def load_checksums(path: Path) -> dict[str, dict]:
     """The per-array records of the model checkpoint at ``path``."""
     file = path / CHECKSUMS_FILE
     if not file.is_file():
@@ -202,26 +206,36 @@ def load_checksums(path: pathlib.Path) -> dict[str, dict]:
     return data["arrays"]
 
 
-def _params_dir(path: pathlib.Path) -> pathlib.Path:
+def _params_dir(path: Path) -> Path:
     if not (path / PARAMS_DIR).exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} has no {PARAMS_DIR}/ directory")
     return pytree_dir(path / PARAMS_DIR)
 
 
 class CheckpointReader:
-    """Reads a model checkpoint one verified array at a time onto the host (for streaming conversion).
+    """Reads a model checkpoint, local or in a bucket (``gs://``), where it lies: no copy is made.
+
+    Orbax reads the small files through ``etils.epath`` and the arrays through tensorstore's own
+    drivers; every array is checked against its recorded CRC-32, shape and dtype. :meth:`restore`
+    reads a whole tree (onto the target's shardings), :meth:`read` one array onto the host (for
+    streaming conversion).
 
     Attributes:
+        path: the checkpoint directory (absolute, or the bucket URI).
         cfg: the checkpoint's typed config.
-        arrays: ``{path: (stored key path, shape, dtype)}`` in storage order.
+        records: the checksum records, ``{array path: {crc32, shape, dtype}}``.
+        arrays: ``{path: (stored key path, shape, dtype)}`` in storage order (read on first use).
     """
 
-    def __init__(self, path: str | pathlib.Path):
-        self.path = pathlib.Path(path).absolute()
+    def __init__(self, path: str | os.PathLike):
+        self.path = resolve(path)
         self.cfg = load_config_from_checkpoint(self.path)
-        self.records = load_checksums(self.path)
         self._dir = _params_dir(self.path)
-        self.arrays = stored_arrays(self._dir, self.path)
+        self.records = load_checksums(self.path)
+
+    @functools.cached_property
+    def arrays(self) -> dict[str, tuple[tuple, tuple[int, ...], np.dtype]]:
+        return stored_arrays(self._dir, self.path)
 
     def read(self, name: str) -> np.ndarray:
         """The array ``name`` (e.g. ``'layers/1/ffn/w_up/blocks'``) as numpy, checksum verified."""
@@ -231,9 +245,26 @@ class CheckpointReader:
             target = {k: target}
         return jax.tree.leaves(restore_pytree(self._dir, target, self.records, checkpoint=self.path))[0]
 
+    def restore(self, target):
+        """The params as ``target`` (a pytree of ``jax.ShapeDtypeStruct``, see :func:`restore_pytree`).
 
-def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
-    """Restores ``(cfg, model)``; parameters are placed by the sharding rules on ``mesh`` (or one device).
+        Raises:
+            CheckpointError: the checkpoint holds arrays that ``target`` lacks, or one of ``target``'s
+                arrays is missing, mismatched or damaged.
+        """
+        wanted = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+        extra = sorted(set(self.records) - wanted)
+        if extra:
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r} holds {len(extra)} arrays its config's model does not have, "
+                f"e.g. {extra[:3]}"
+            )
+        return restore_pytree(self._dir, target, self.records, checkpoint=self.path)
+
+
+def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None):
+    """Restores ``(cfg, model)`` from a local or ``gs://`` checkpoint; parameters are placed by the
+    sharding rules on ``mesh`` (or on one device).
 
     Raises:
         CheckpointError: the checkpoint is incomplete, holds other arrays than the config's model,
@@ -241,12 +272,8 @@ def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
     """
     from jaxmoe.model import abstract_model  # noqa: PLC0415 (model imports every module)
 
-    path = pathlib.Path(path).absolute()
-    cfg = load_config_from_checkpoint(path)
-    params_dir = _params_dir(path)
-    records = load_checksums(path)
-    abstract = abstract_model(cfg.model)
-    graphdef, abstract_state = nnx.split(abstract)
+    reader = CheckpointReader(path)
+    graphdef, abstract_state = nnx.split(abstract_model(reader.cfg.model))
     if mesh is None:
         device = jax.devices()[0]
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), abstract_state)
@@ -257,12 +284,5 @@ def load_model(path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None):
         nnx.to_pure_dict(abstract_state),
         nnx.to_pure_dict(shardings),
     )
-    wanted = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
-    extra = sorted(set(records) - wanted)
-    if extra:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} holds {len(extra)} arrays its config's model does not have, e.g. {extra[:3]}"
-        )
-    restored = restore_pytree(params_dir, target, records, checkpoint=path)
-    nnx.replace_by_pure_dict(abstract_state, restored)
-    return cfg, nnx.merge(graphdef, abstract_state)
+    nnx.replace_by_pure_dict(abstract_state, reader.restore(target))
+    return reader.cfg, nnx.merge(graphdef, abstract_state)

@@ -8,25 +8,25 @@ capacity limit would let padding tokens take capacity). Temperature 0 is greedy 
 
 ``--checkpoint`` may be a training workdir (its newest checkpoint and ``tokenizer.json``), a
 training checkpoint root (``workdir/checkpoints``), or a model checkpoint such as the MXFP4
-export (``config.json`` + ``params/``; the tokenizer beside it or in its parent directory).
+export (``config.json`` + ``params/``; the tokenizer beside it or in its parent directory). Each
+may be local or in a bucket (``gs://B/P``), which is read in place, never copied to local disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.checkpoint.hf_common import CheckpointError
 from jaxmoe.config import Config, MeshConfig
 from jaxmoe.data.tokenizer import BPETokenizer
+from jaxmoe.errors import CheckpointError
 from jaxmoe.model import abstract_model
-from jaxmoe.paths import download_tree, resolve
+from jaxmoe.paths import resolve
 from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, restore_model
 
 
@@ -45,12 +45,7 @@ def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, B
     if (path / CHECKPOINT_DIR).is_dir():
         cfg, model = restore_model(path / CHECKPOINT_DIR)
     elif (path / CONFIG_FILE).is_file():
-        local = download_tree(path)  # a bucket's model checkpoint is read from a local copy
-        try:
-            cfg, model = load_model(local)
-        finally:
-            if local != path:
-                shutil.rmtree(local, ignore_errors=True)
+        cfg, model = load_model(path)  # read where it lies, a bucket's too
     elif any(p.name.isdigit() for p in path.iterdir()):
         cfg, model = restore_model(path)
     else:

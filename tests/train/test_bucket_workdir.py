@@ -3,11 +3,17 @@
 ``gs://B/P`` must reach the code intact (``pathlib`` would make it the local directory
 ``./gs:/B/P``: every host writing its own, lost with the VM). Metrics and TensorBoard events,
 which a bucket cannot append to, are staged locally and copied up; the MXFP4 export is written
-locally and uploaded with its config last; ``generate`` reads a bucket's export. Orbax checkpoints
-talk to GCS through tensorstore's own driver, which this fake does not reach.
+locally and uploaded with its config last; ``generate`` reads a bucket's export where it lies.
+Orbax reads a checkpoint's small files through ``etils.epath`` (the fsspec fake) and its arrays
+through tensorstore's own GCS driver, which reaches the same in-memory objects through a small
+HTTP server speaking the read calls of GCS's JSON API (``TENSORSTORE_GCS_HTTP_URL``).
 """
 
+import http.server
 import json
+import tempfile
+import threading
+import urllib.parse
 
 import fsspec
 import jax
@@ -25,6 +31,7 @@ from jaxmoe.train.metrics import MetricsWriter
 from jaxmoe.train.tensorboard import read_events
 
 WRITES: list[str] = []
+READS: list[str] = []  # objects tensorstore fetched over HTTP
 
 
 class FakeGCS(MemoryFileSystem):
@@ -51,6 +58,62 @@ def bucket():
     FakeGCS.store.clear()
 
 
+class _GCSJsonAPI(http.server.BaseHTTPRequestHandler):
+    """``GET /storage/v1/b/BUCKET/o/OBJECT?alt=media`` (with ``Range``), from :class:`FakeGCS`'s store:
+    all tensorstore's GCS driver asks for to read a checkpoint."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        parts = url.path.split("/")  # ['', 'storage', 'v1', 'b', BUCKET, 'o', OBJECT]
+        if len(parts) != 7 or parts[1:4] != ["storage", "v1", "b"] or parts[5] != "o":
+            return self._reply(404, b"")
+        name = f"{parts[4]}/{urllib.parse.unquote(parts[6])}"
+        try:
+            body = FakeGCS().cat_file(f"gs://{name}")
+        except FileNotFoundError:
+            return self._reply(404, b"")
+        READS.append(name)
+        headers = {"x-goog-generation": "1"}
+        if urllib.parse.parse_qs(url.query).get("alt") == ["json"]:
+            meta = {"name": parts[6], "bucket": parts[4], "size": str(len(body)), "generation": "1"}
+            return self._reply(200, json.dumps(meta).encode(), headers)
+        start, _, end = self.headers.get("Range", "bytes=-").removeprefix("bytes=").partition("-")
+        if not start and not end:
+            return self._reply(200, body, headers)
+        first = int(start) if start else max(0, len(body) - int(end))  # "bytes=-N": the last N bytes
+        last = min(int(end), len(body) - 1) if start and end else len(body) - 1
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(body)}"
+        return self._reply(206, body[first : last + 1], headers)
+
+    def _reply(self, status: int, body: bytes, headers: dict | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture
+def gcs_api(bucket, monkeypatch):
+    """Points tensorstore's GCS driver at :class:`_GCSJsonAPI` on 127.0.0.1 (a fixed token, no credentials)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GCSJsonAPI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "fake-token")
+    READS.clear()
+    yield bucket
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
 def test_uris_stay_intact(tmp_path, monkeypatch):
     assert str(resolve("gs://bucket/runs/a")) == "gs://bucket/runs/a" and is_uri("gs://bucket/runs/a")
     monkeypatch.chdir(tmp_path)
@@ -59,6 +122,8 @@ def test_uris_stay_intact(tmp_path, monkeypatch):
     assert str(args.workdir) == "gs://bucket/runs/a"
     args = cli.build_parser().parse_args(["generate", "--checkpoint", "gs://bucket/runs/a", "--prompt", "x"])
     assert str(args.checkpoint) == "gs://bucket/runs/a"
+    args = cli.build_parser().parse_args(["logits", "--checkpoint", "gs://b/e", "--tokens", "t.npy", "--out", "o.npy"])
+    assert str(args.checkpoint) == "gs://b/e"
 
 
 def test_metrics_are_copied_up_and_resume(bucket, tmp_path):
@@ -85,7 +150,12 @@ def test_metrics_are_copied_up_and_resume(bucket, tmp_path):
     assert sorted(per_file) == [[(1, 4.0), (2, 3.0), (3, 2.0)], [(3, 1.5)]]
 
 
-def test_export_to_bucket_and_generate_from_it(run, bucket):
+def _no_local_copy(*args, **kwargs):
+    raise AssertionError("a local directory was made to read a bucket's checkpoint")
+
+
+def test_export_to_bucket_and_generate_from_it(run, gcs_api, monkeypatch):
+    bucket = gcs_api  # gs://bucket, readable by tensorstore too
     cfg, model = restore_model(run.workdir / "checkpoints")
     state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
     dst = f"{bucket}/run/export_mxfp4"
@@ -96,6 +166,9 @@ def test_export_to_bucket_and_generate_from_it(run, bucket):
     assert len(ours) > 3 and ours[-1].endswith(f"export_mxfp4/{CONFIG_FILE}")  # complete once the config is there
     top = {p.name for p in (run.workdir / "export_mxfp4").iterdir()}
     assert {p.name for p in resolve(dst).iterdir()} == top and TOKENIZER_FILE in top
-    # The same weights as the run's own export: the same greedy continuation.
+    # The same weights as the run's own export: the same greedy continuation, read where the export
+    # lies: nothing is copied to local disk (no temporary directory), tensorstore fetches the arrays.
     want = generate(run.workdir / "export_mxfp4", "class ", max_new_tokens=5)
+    monkeypatch.setattr(tempfile, "mkdtemp", _no_local_copy)
     assert generate(dst, "class ", max_new_tokens=5)["tokens"] == want["tokens"]
+    assert any(r.startswith("bucket/run/export_mxfp4/params/") for r in READS), READS
