@@ -37,7 +37,7 @@ from jaxmoe.config import Config
 from jaxmoe.model import abstract_model
 from jaxmoe.moe import MoE
 from jaxmoe.paths import Path, is_uri, resolve
-from jaxmoe.train.tensorboard import EventWriter
+from jaxmoe.train.tensorboard import EventLog
 
 # --------------------------------------------------------------------------------------------
 # FLOPs
@@ -161,10 +161,11 @@ class MetricsWriter:
 
     Args:
         workdir: the run directory (``metrics.jsonl`` and ``tensorboard/`` go there); a bucket
-            (``gs://...``) too: objects cannot be appended to, so both files are written to a
-            local directory and copied up whole by :meth:`sync` (at every checkpoint and at the end).
+            (``gs://...``) too: objects cannot be appended to, so both are written to a local
+            directory and copied up whole by :meth:`sync` (at every checkpoint and at the end).
         resume_step: records of later steps already in ``metrics.jsonl`` (from a run that died
-            after its last checkpoint) are dropped, so the file holds each step once.
+            after its last checkpoint) are dropped, so the file holds each step once; TensorBoard
+            purges their events (see :mod:`jaxmoe.train.tensorboard`).
         stdout: also print each record.
         enabled: False on processes other than 0: nothing is written.
     """
@@ -182,17 +183,17 @@ class MetricsWriter:
             kept = [line for line in existing.read_text().splitlines() if _step_of(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 (kept open for the run)
-        self._events = EventWriter(local / "tensorboard")
+        upload_to = self.workdir / "tensorboard" if self._staging is not None else None
+        self._events = EventLog(local / "tensorboard", resume_step=resume_step, upload_to=upload_to)
 
     def sync(self) -> None:
-        """Copies ``metrics.jsonl`` and this run's event file to a bucket workdir (local ones are written in place)."""
-        if not self.enabled or self._staging is None:
+        """Puts every record so far on disk; copies ``metrics.jsonl`` and the events up to a bucket workdir."""
+        if not self.enabled:
             return
-        self._file.flush()
-        (self.workdir / "metrics.jsonl").write_bytes(self.path.read_bytes())
-        events = self.workdir / "tensorboard" / self._events.path.name
-        events.parent.mkdir(parents=True, exist_ok=True)
-        events.write_bytes(self._events.path.read_bytes())
+        self._events.sync()
+        if self._staging is not None:
+            self._file.flush()
+            (self.workdir / "metrics.jsonl").write_bytes(self.path.read_bytes())
 
     def write(self, record: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -208,6 +209,5 @@ class MetricsWriter:
         if self.enabled:
             self.sync()
             self._file.close()
-            self._events.close()
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)

@@ -1,101 +1,93 @@
-"""TensorBoard event files: CRC-32C against published check values, our records decoded by the
-protobuf library (an independent decoder, from a hand-built descriptor of the Event messages),
-framing and corruption detection."""
+"""TensorBoard events of :class:`jaxmoe.train.tensorboard.EventLog`, read back by TensorBoard's own
+``EventAccumulator``: the values written, a restart's purge of the steps it reruns, every event on
+disk at a sync, files that sort in the order written, and the one-object-per-restart bucket copy."""
 
-import struct
+import math
 
 import numpy as np
-import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxmoe.train import tensorboard as tb
-
-
-def test_crc32c_check_values():
-    # RFC 3720 (iSCSI) appendix B.4 and the usual "123456789" check value.
-    assert tb.crc32c(b"123456789") == 0xE3069283
-    assert tb.crc32c(bytes(32)) == 0x8A9136AA
-    assert tb.crc32c(b"\xff" * 32) == 0x62A8AB43
-    assert tb.crc32c(bytes(range(32))) == 0x46DD794E
-    assert tb.crc32c(bytes(range(31, -1, -1))) == 0x113FDB5C
+from jaxmoe.train.tensorboard import EventLog, read_events
 
 
-def test_masked_crc():
-    c = tb.crc32c(b"abc")
-    assert tb.masked_crc32c(b"abc") == (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+def _scalars(path) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` as TensorBoard shows ``path`` (a directory or one file)."""
+    acc = EventAccumulator(str(path))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def _event_classes():
-    """``Event`` / ``Summary`` message classes from a descriptor written out by hand (tensorflow's field numbers)."""
-    f = descriptor_pb2.FileDescriptorProto(name="jaxmoe_test_event.proto", package="jaxmoe_test", syntax="proto3")
-    T = descriptor_pb2.FieldDescriptorProto
-    value = f.message_type.add(name="Value")
-    value.field.add(name="tag", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
-    value.field.add(name="simple_value", number=2, type=T.TYPE_FLOAT, label=T.LABEL_OPTIONAL)
-    summary = f.message_type.add(name="Summary")
-    summary.field.add(
-        name="value", number=1, type=T.TYPE_MESSAGE, label=T.LABEL_REPEATED, type_name=".jaxmoe_test.Value"
-    )
-    event = f.message_type.add(name="Event")
-    event.field.add(name="wall_time", number=1, type=T.TYPE_DOUBLE, label=T.LABEL_OPTIONAL)
-    event.field.add(name="step", number=2, type=T.TYPE_INT64, label=T.LABEL_OPTIONAL)
-    event.field.add(name="file_version", number=3, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
-    event.field.add(
-        name="summary", number=5, type=T.TYPE_MESSAGE, label=T.LABEL_OPTIONAL, type_name=".jaxmoe_test.Summary"
-    )
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("jaxmoe_test.Event"))
+def test_scalars_read_back(tmp_path):
+    log = EventLog(tmp_path)
+    log.scalars(1, {"loss": 6.25, "moe/expert_load/0/3": 117.0, "lr": 3e-4, "tiny": -1e-30})
+    log.scalars(2, {"loss": 5.5, "heldout_loss": float("nan")})
+    log.scalars(3, {})
+    log.close()
+    got = _scalars(tmp_path)
+    assert set(got) == {"loss", "moe/expert_load/0/3", "lr", "tiny", "heldout_loss"}
+    assert got["loss"] == [(1, 6.25), (2, 5.5)]
+    assert got["moe/expert_load/0/3"] == [(1, 117.0)]
+    assert got["lr"] == [(1, np.float32(3e-4))] and got["tiny"] == [(1, np.float32(-1e-30))]
+    ((step, nan),) = got["heldout_loss"]
+    assert step == 2 and math.isnan(nan)  # non-finite values are written as they are
 
 
-@pytest.mark.parametrize("step", [0, 1, 127, 128, 300, 2**40, -5])
-def test_events_decode_with_protobuf(step):
-    Event = _event_classes()
-    scalars = {"loss": 6.25, "moe/expert_load/0/3": 117.0, "lr": 3e-4, "tiny": -1e-30}
-    data = tb.encode_event(1234.5, step, scalars=scalars)
-    event = Event.FromString(data)
-    assert event.wall_time == 1234.5 and event.step == step
-    assert {v.tag: v.simple_value for v in event.summary.value} == {k: np.float32(v) for k, v in scalars.items()}
-    # And our own decoder agrees with protobuf's on protobuf's own encoding.
-    theirs = Event(wall_time=2.0, step=step, file_version="brain.Event:2").SerializeToString()
-    assert tb.decode_event(theirs) == {"wall_time": 2.0, "step": step, "file_version": "brain.Event:2", "scalars": {}}
-    assert tb.decode_event(data)["scalars"] == {k: np.float32(v) for k, v in scalars.items()}
+def test_resume_purges_the_rerun_steps(tmp_path):
+    first = EventLog(tmp_path)
+    for step in range(1, 6):  # checkpoint at step 2, killed after step 5
+        first.scalars(step, {"loss": 10.0 + step})
+        if step == 2:
+            first.sync()
+    first.scalars(4, {"heldout_loss": 4.0})
+    first.close()
+    before = {tag: sorted(v) for tag, v in _scalars(tmp_path).items()}
+    assert before == {"loss": [(s, 10.0 + s) for s in range(1, 6)], "heldout_loss": [(4, 4.0)]}
+
+    resumed = EventLog(tmp_path, resume_step=2)  # from the step-2 checkpoint: steps 3.. run again
+    resumed.scalars(3, {"loss": 1.5})
+    resumed.close()
+    # Steps 3-5 of the killed run are gone, the held-out loss of step 4 too (the rerun has not
+    # reached it); steps 1 and 2 stay, and step 3 shows the rerun's value once.
+    assert _scalars(tmp_path) == {"loss": [(1, 11.0), (2, 12.0), (3, 1.5)], "heldout_loss": []}
+    # The old values are still in the killed run's files: TensorBoard hides them.
+    old = [e["step"] for f in first.files for e in read_events(f) if "loss" in e["scalars"]]
+    assert old == [1, 2, 3, 4, 5]
 
 
-def test_writer_file_reads_back(tmp_path):
-    Event = _event_classes()
-    with tb.EventWriter(tmp_path / "tb") as w:
-        w.scalars(1, {"loss": 6.0})
-        w.scalars(2, {"loss": 5.5, "heldout_loss": 5.75})
-    events = tb.read_events(w.path)
-    assert events[0]["file_version"] == tb.FILE_VERSION
-    assert [(e["step"], e["scalars"]) for e in events[1:]] == [
-        (1, {"loss": 6.0}),
-        (2, {"loss": 5.5, "heldout_loss": 5.75}),
-    ]
-    # The framing, read independently: u64 length, masked CRC of it, data, masked CRC of the data.
-    buf, i, steps = w.path.read_bytes(), 0, []
-    while i < len(buf):
-        (n,) = struct.unpack("<Q", buf[i : i + 8])
-        assert struct.unpack("<I", buf[i + 8 : i + 12])[0] == tb.masked_crc32c(buf[i : i + 8])
-        data = buf[i + 12 : i + 12 + n]
-        assert struct.unpack("<I", buf[i + 12 + n : i + 16 + n])[0] == tb.masked_crc32c(data)
-        steps.append(Event.FromString(data).step)
-        i += 16 + n
-    assert steps == [0, 1, 2]
+def test_sync_puts_every_event_on_disk(tmp_path):
+    # tensorboardX's own flush returns before its writer thread has written the queued events.
+    log = EventLog(tmp_path, resume_step=7)
+    for step in range(8, 108):
+        log.scalars(step, {"loss": float(step)})
+    log.sync()
+    assert _scalars(tmp_path) == {"loss": [(s, float(s)) for s in range(8, 108)]}
+    log.scalars(108, {"loss": 0.5})  # a new file continues this restart's, without a purge of its own
+    log.close()
+    assert _scalars(tmp_path)["loss"][-2:] == [(107, 107.0), (108, 0.5)]
+    assert [p.name for p in sorted(tmp_path.iterdir())] == [p.name for p in log.files] and len(log.files) == 2
 
 
-@pytest.mark.parametrize("where", ["length", "data", "end"])
-def test_corruption_detected(tmp_path, where):
-    with tb.EventWriter(tmp_path) as w:
-        w.scalars(1, {"loss": 6.0})
-    buf = bytearray(w.path.read_bytes())
-    if where == "length":
-        buf[-30] ^= 0x01  # inside the second record's length or CRC
-    elif where == "data":
-        buf[-8] ^= 0x40
-    else:
-        buf = buf[:-2]
-    w.path.write_bytes(bytes(buf))
-    with pytest.raises(ValueError, match="CRC mismatch|truncated"):
-        tb.read_events(w.path)
+def test_files_sort_in_the_order_written(tmp_path):
+    # Within one second the names differ after the time: the purge step, then the part.
+    logs = [EventLog(tmp_path, resume_step=s) for s in (0, 3, 12)]
+    for log in logs:
+        log.scalars(100, {"loss": 1.0})
+        log.sync()
+        log.scalars(101, {"loss": 1.0})
+        log.close()
+    written = [p.name for log in logs for p in log.files]
+    assert len(set(written)) == 6 and sorted(written) == written
+
+
+def test_upload_is_one_file_per_restart(tmp_path):
+    remote = tmp_path / "remote"
+    log = EventLog(tmp_path / "staging", upload_to=remote)
+    log.scalars(1, {"loss": 3.0})
+    log.sync()
+    assert [p.name for p in remote.iterdir()] == [log.files[0].name]
+    assert _scalars(remote) == {"loss": [(1, 3.0)]}
+    log.scalars(2, {"loss": 2.0})
+    log.close()
+    # The concatenation of the restart's files: one event file, every step in it.
+    assert [p.name for p in remote.iterdir()] == [log.files[0].name] and len(log.files) == 2
+    assert _scalars(remote) == {"loss": [(1, 3.0), (2, 2.0)]}
