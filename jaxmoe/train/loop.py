@@ -49,7 +49,7 @@ from jaxmoe.train.checkpoints import (
     write_export,
 )
 from jaxmoe.train.metrics import MetricsWriter, load_summary, measure_peak_flops, model_flops_per_token
-from jaxmoe.train.step import Trainer, TrainState, deep_merge
+from jaxmoe.train.step import STAGES, Trainer, TrainState, deep_merge
 
 
 def build_mesh(cfg: Config) -> jax.sharding.Mesh:
@@ -171,6 +171,147 @@ def _export(state: TrainState, cfg: Config, ckpt: CheckpointManager, step: int, 
     return note if note.startswith("skipped") else str(dst)
 
 
+class _Clock:
+    """Training time per step: wall time between logged steps, less what :meth:`exclude` takes out
+    (compilation, evaluation, checkpoints)."""
+
+    def __init__(self, step: int):
+        self._time, self._step = time.perf_counter(), step
+
+    def exclude(self, seconds: float) -> None:
+        self._time += seconds
+
+    def seconds_per_step(self, step: int) -> float:
+        """The mean over the steps since the last call (or the start) up to ``step``."""
+        now = time.perf_counter()
+        per_step = (now - self._time) / (step - self._step)
+        self._time, self._step = now, step
+        return per_step
+
+
+@dataclasses.dataclass
+class _Run:
+    """One training job: what stays fixed for it, then what the loop advances."""
+
+    cfg: Config
+    trainer: Trainer
+    ckpt: CheckpointManager
+    writer: MetricsWriter
+    batches: PackedBatches
+    heldout: list
+    flops_per_token: dict[str, float]  # stage -> model FLOPs per training token
+    peak_flops: float  # per device
+    step: int  # completed steps
+    state: TrainState
+    compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # stage -> its compiled step
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """Whether ``step`` is a multiple of ``every`` (0: never) or the ``last`` step."""
+    return bool(every and step % every == 0) or step == last
+
+
+def _initial_state(cfg: Config, trainer: Trainer, ckpt: CheckpointManager, batches: PackedBatches, log):
+    """``(step, state)`` of the newest intact checkpoint (``batches`` restored to it), else of a fresh start."""
+    restored = _restore(ckpt, trainer, cfg, log)
+    if restored is None:
+        return 0, trainer.init_state(cfg.train.seed)
+    step, state, data_state = restored
+    batches.restore(data_state["batches"])
+    log(f"resumed from step {step} ({ckpt.step_dir(step)})")
+    return step, state
+
+
+def _advance(run: _Run, clock: _Clock) -> tuple[str, float, dict, dict]:
+    """Runs one step (compiling its stage first if new): ``(stage, its learning rate, device metrics,
+    record)``, the record holding ``compile_s`` when it compiled."""
+    stage = run.trainer.stage(run.step)
+    inputs, targets = run.trainer.batch(next(run.batches))
+    record: dict[str, Any] = {}
+    if stage not in run.compiled:
+        start = time.perf_counter()
+        run.compiled[stage] = run.trainer.compile_step(stage, run.state, inputs, targets)
+        record["compile_s"] = time.perf_counter() - start
+        clock.exclude(record["compile_s"])
+    lr = run.trainer.learning_rate(run.step)
+    run.state, metrics = run.compiled[stage](run.state, inputs, targets)
+    run.step += 1
+    return stage, lr, metrics, record
+
+
+def _step_record(run: _Run, stage: str, lr: float, metrics: dict, step_time: float) -> dict:
+    """The logged fields of the step just run, from its fetched ``metrics`` and ``step_time`` seconds."""
+    cfg = run.cfg
+    tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / step_time
+    flops = run.flops_per_token[stage]
+    return {
+        "step": run.step,
+        "stage": stage,
+        "loss": float(metrics["loss"]),
+        "total_loss": float(metrics["total_loss"]),
+        "lr": lr,
+        "grad_norm": float(metrics["grad_norm"]),
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": step_time,
+        "mfu": flops * tokens_per_s / (run.peak_flops * jax.device_count()),
+        **({"indexer_kl": float(metrics["indexer_kl"])} if "dsa" in cfg.model.layer_kinds else {}),
+        **({"seq_aux_loss": float(metrics["seq_aux_loss"])} if metrics["expert_load"] else {}),
+        **load_summary(metrics["expert_load"], metrics["drop_fraction"]),
+    }
+
+
+def _evaluate(run: _Run) -> float:
+    """The mean held-out LM loss of the state, with the attention of the stage that ran last."""
+    evaluate = run.trainer.eval_fn(run.trainer.stage(run.step - 1))
+    losses = [evaluate(run.state, *run.trainer.batch(b)) for b in run.heldout]
+    return float(np.mean([float(_fetch(v)) for v in losses]))
+
+
+def _write(run: _Run, record: dict) -> None:
+    record.setdefault("step", run.step)
+    run.writer.write(record)
+    run.summary.update({k: v for k, v in record.items() if not isinstance(v, dict)})
+
+
+def _checkpoint(run: _Run) -> None:
+    """Saves the state and the data iterator at this step; the metrics written so far go with it."""
+    params, opt = _checkpoint_items(run.state)
+    data_state = {"batches": run.batches.state(), "step": run.step}
+    run.ckpt.save(run.step, params=params, opt_state=opt, data_state=data_state, config=run.cfg, force=True)
+    run.summary["checkpoint"] = str(run.ckpt.step_dir(run.step))
+    run.writer.sync()
+
+
+def _loop(run: _Run, bar: tqdm, stop_after: int | None) -> None:
+    """Steps until ``cfg.train.steps`` (or ``stop_after``): each logged, evaluated and checkpointed when due."""
+    t = run.cfg.train
+    clock = _Clock(run.step)
+    while run.step < t.steps:
+        stage, lr, metrics, record = _advance(run, clock)
+        bar.update(1)
+        if _due(run.step, t.log_every, t.steps) or run.step == stop_after:
+            metrics = _fetch(metrics)  # waits for the step: the clock reads after it
+            record = {**_step_record(run, stage, lr, metrics, clock.seconds_per_step(run.step)), **record}
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+        start = time.perf_counter()  # evaluation and checkpoints are not training time
+        if _due(run.step, t.eval_every, t.steps):
+            record["heldout_loss"] = _evaluate(run)
+        if record:
+            _write(run, record)
+        if _due(run.step, t.checkpoint_every, t.steps):
+            _checkpoint(run)
+        clock.exclude(time.perf_counter() - start)
+        if stop_after is not None and run.step >= stop_after:
+            break
+
+
+def _log_fn(is_main: bool):
+    if not is_main:
+        return lambda msg: None
+    return lambda msg: print(f"jaxmoe train: {msg}", file=sys.stderr, flush=True)
+
+
 def train(
     cfg: Config,
     workdir: str | Path,
@@ -196,14 +337,13 @@ def train(
     t = cfg.train
     workdir = resolve(workdir)
     is_main = jax.process_index() == 0
-    log = (lambda msg: print(f"jaxmoe train: {msg}", file=sys.stderr, flush=True)) if is_main else (lambda msg: None)
+    log = _log_fn(is_main)
     mesh = build_mesh(cfg)
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
     data, batches, heldout = _data(cfg, workdir)
-    tokenizer_file = workdir / TOKENIZER_FILE
     if is_main:
-        data.tokenizer.save(tokenizer_file)
+        data.tokenizer.save(workdir / TOKENIZER_FILE)
         log(f"data: {len(data.train)} train / {len(data.heldout)} held-out tokens; {data.source}")
 
     # Before the mesh is set: the measurement runs on this process's devices only.
@@ -211,84 +351,22 @@ def train(
     with jax.set_mesh(mesh):
         trainer = Trainer(cfg, mesh)
         ckpt = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=t.keep_checkpoints)
-        restored = _restore(ckpt, trainer, cfg, log)
-        if restored is None:
-            step, state = 0, trainer.init_state(t.seed)
-        else:
-            step, state, data_state = restored
-            batches.restore(data_state["batches"])
-            log(f"resumed from step {step} ({ckpt.step_dir(step)})")
+        step, state = _initial_state(cfg, trainer, ckpt, batches, log)
         writer = MetricsWriter(workdir, resume_step=step, stdout=stdout, enabled=is_main)
-        tokens_per_step = t.batch_size * t.seq_len
-        flops_per_token = {stage: model_flops_per_token(cfg, stage) for stage in ("warmup", "main")}
-        compiled: dict[str, Any] = {}
-        summary: dict[str, Any] = {"step": step}
+        flops = {stage: model_flops_per_token(cfg, stage) for stage in STAGES}
+        run = _Run(cfg, trainer, ckpt, writer, batches, heldout, flops, peak, step, state, summary={"step": step})
         bar = tqdm(total=t.steps, initial=step, disable=not (progress and is_main), file=sys.stderr, unit="step")
         try:
-            last_time, last_step = time.perf_counter(), step
-            while step < t.steps:
-                stage = trainer.stage(step)
-                inputs, targets = trainer.batch(next(batches))
-                record: dict[str, Any] = {}
-                if stage not in compiled:
-                    start = time.perf_counter()
-                    compiled[stage] = trainer.compile_step(stage, state, inputs, targets)
-                    record["compile_s"] = time.perf_counter() - start
-                    last_time += record["compile_s"]
-                lr = trainer.learning_rate(step)
-                state, metrics = compiled[stage](state, inputs, targets)
-                step += 1
-                bar.update(1)
-                if step % t.log_every == 0 or step == t.steps or step == stop_after:
-                    metrics = _fetch(metrics)
-                    now = time.perf_counter()
-                    step_time = (now - last_time) / (step - last_step)
-                    last_time, last_step = now, step
-                    tokens_per_s = tokens_per_step / step_time
-                    flops = flops_per_token[stage]
-                    record = {
-                        "step": step,
-                        "stage": stage,
-                        "loss": float(metrics["loss"]),
-                        "total_loss": float(metrics["total_loss"]),
-                        "lr": lr,
-                        "grad_norm": float(metrics["grad_norm"]),
-                        "tokens_per_s": tokens_per_s,
-                        "step_time_s": step_time,
-                        "mfu": flops * tokens_per_s / (peak * jax.device_count()),
-                        **({"indexer_kl": float(metrics["indexer_kl"])} if "dsa" in cfg.model.layer_kinds else {}),
-                        **({"seq_aux_loss": float(metrics["seq_aux_loss"])} if metrics["expert_load"] else {}),
-                        **load_summary(metrics["expert_load"], metrics["drop_fraction"]),
-                        **record,
-                    }
-                    bar.set_postfix(loss=f"{record['loss']:.3f}")
-                start = time.perf_counter()  # evaluation and checkpoints are not training time
-                if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                    evaluate = trainer.eval_fn(trainer.stage(step - 1))
-                    losses = [evaluate(state, *trainer.batch(b)) for b in heldout]
-                    record["heldout_loss"] = float(np.mean([float(_fetch(v)) for v in losses]))
-                if record:
-                    record.setdefault("step", step)
-                    writer.write(record)
-                    summary.update({k: v for k, v in record.items() if not isinstance(v, dict)})
-                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
-                    params, opt = _checkpoint_items(state)
-                    data_state = {"batches": batches.state(), "step": step}
-                    ckpt.save(step, params=params, opt_state=opt, data_state=data_state, config=cfg, force=True)
-                    summary["checkpoint"] = str(ckpt.step_dir(step))
-                    writer.sync()
-                last_time += time.perf_counter() - start
-                if stop_after is not None and step >= stop_after:
-                    break
+            _loop(run, bar, stop_after)
             ckpt.wait_until_finished()
-            summary["step"] = step
-            if step == t.steps and t.export_mxfp4 and stop_after is None:
-                summary["export"] = _export(state, cfg, ckpt, step, workdir, log)
+            run.summary["step"] = run.step
+            if run.step == t.steps and t.export_mxfp4 and stop_after is None:
+                run.summary["export"] = _export(run.state, cfg, ckpt, run.step, workdir, log)
         finally:
             bar.close()
             ckpt.close()
             writer.close()
-    return summary
+    return run.summary
 
 
 def summary_line(summary: dict) -> str:
