@@ -96,10 +96,8 @@ def deep_merge(a: dict, b: dict) -> dict:
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``logits[B, T, V]`` (fp32) against ``targets[B, T]``."""
-    logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
-    return jnp.mean(lse - target_logit)
+    # optax picks each target's logit by index: no [B, T, V] one-hot is built.
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets))
 
 
 def sequence_balance_loss(scores: jax.Array, indices: jax.Array, num_experts: int) -> jax.Array:
