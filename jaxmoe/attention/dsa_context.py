@@ -11,12 +11,13 @@ memory long before a 1M-token context. :func:`sparse_dsa` computes the same resu
    if K groups reach a value, so do K scores, so the K-th largest group maximum bounds the
    query's K-th score from below (found by bisection over the maxima). Pass 2 buffers only the
    keys above the bound (about K of them once the query sees many more than ``K * group`` keys),
-   located through one uint32 mask word per 32 keys, and the exact top-K is bisected within the
-   buffer. Keys exactly *at* the bound (ReLU zeros tie by the thousand) are kept as a bitmask and
-   taken lowest index first, as ``top_k`` breaks ties. A query whose candidates overflow the
-   buffer (few keys seen, or a loose bound) refines the bound from its buffer's own K-th entry and
-   collects again, each round dropping at least ``(buffer - 1) K`` candidates. Key blocks past the
-   last visible one are skipped.
+   located through one uint32 mask word per (at most) 32 keys, and the exact top-K is bisected
+   within the buffer. Keys exactly *at* the bound (ReLU zeros tie by the thousand) are kept as a
+   bitmask and taken lowest index first, as ``top_k`` breaks ties. A query whose candidates
+   overflow the buffer (few keys seen, or a loose bound) refines the bound from its buffer's own
+   K-th entry and collects again (how many candidates a round drops:
+   :func:`~jaxmoe.attention.dsa_topk._raise_bound`). Key blocks past the last visible one are
+   skipped.
 2. **Attention, gathered.** Each query attends, in the absorbed (MQA-over-latent) form, to the
    ``C + R`` latent entries it selected, ``attn_block_q`` queries at a time, with an online
    softmax; the per-block work is rematerialised in the backward pass.
@@ -34,8 +35,10 @@ gradients reach queries and latents through the attention, and through ``ppermut
 round the ring back to the shard that owns them.
 
 Shape letters: B batch, T queries (local to a shard inside ``shard_map``), S keys, K selected
-per query, N heads (MLA heads, or indexer heads in the indexer terms), H indexer head dim,
-C latent dim (``C + R`` where the rope key rides along), P shards on ``context``.
+per query, N MLA heads, NI indexer heads, HI indexer head dim (N and H in
+:mod:`~jaxmoe.attention.dsa_topk`), C latent dim, R rope dim (``C + R``: a latent with its rope
+key riding along), P shards on ``context``. A chunk's queries come as ``nq`` blocks of ``bq`` in
+the selection and ``na`` blocks of ``ba`` in the attention.
 """
 
 from __future__ import annotations

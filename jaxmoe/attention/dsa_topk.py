@@ -7,11 +7,18 @@ lower index first, as ``top_k``) is bisected within the buffer. Here: the index 
 order-preserving int keys, the buffer primitives and :func:`select_chunk`, which runs both passes
 for one chunk of queries, with the keys going round the ``context`` ring under context
 parallelism.
+
+Shape letters: B batch, T queries, S keys, N indexer heads, H indexer head dim, K keys selected
+per query, C candidates buffered per query (``Layout.buffer``; not a latent dim here), G group
+maxima per query (``slots / group``), W uint32 tie-mark words per query (``slots / bits``), M
+entries written per append round. A chunk's queries come as ``nq`` blocks of ``bq``, a shard's
+keys as ``nb`` blocks of ``bk`` (``nw = bk / bits`` mask words each).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +127,7 @@ def _select_bit(word: jax.Array, r: jax.Array, bits: int) -> jax.Array:
 
 
 def _append(buf, s, take, idx_base, *, M: int, bits: int):
-    """Appends the entries of ``s[B, T, S]`` where ``take`` holds, in key order, to ``buf``.
+    """Appends the entries of ``s[B, T, S]`` where ``take`` holds to ``buf`` (in mask-word order, not key order).
 
     ``buf = (vals, idx [B, T, C], count [B, T])``; entries past ``C`` are dropped but counted.
     The entries are located through one uint32 mask word per ``bits`` keys (population counts,
@@ -238,6 +245,10 @@ class Layout:
     rounds: int
 
 
+# --------------------------------------------------------------------------------------------
+# One chunk's selection: select_chunk, then its steps in the order it takes them
+
+
 def select_chunk(q_idx, w_idx, qp, keys, shard, lay: Layout):
     """The top-K keys of every query of one chunk: ``(vals, idx)``, each ``[nq, B, bq, K]``.
 
@@ -246,165 +257,232 @@ def select_chunk(q_idx, w_idx, qp, keys, shard, lay: Layout):
         keys: this shard's ``(k [nb, B, bk, H], pos [nb, B, bk])``; under context parallelism they
             go round the ring (``ppermute``) once per pass.
         shard: this shard's index on ``context`` (0 without context parallelism).
+        lay: the selection's static sizes.
 
-    Pass 1 stores, per query, the maximum of every ``group`` keys (16-bit keys, ``[bq, slots /
-    group]``) and bisects them for :func:`_group_bound`. Pass 2 appends the keys scoring at least
-    the bound to a buffer (typically about K of them), and the exact top-K is chosen within it.
-    Should a query's candidates overflow the buffer (few keys seen, or a loose bound), the K-th of
-    its buffered entries (a subset of its keys) becomes its bound and it collects again.
+    The steps, in order: pass 1 (:func:`_group_bounds`) bounds each query's K-th score from below
+    by its group maxima; pass 2 (:func:`_candidates`) buffers the keys above the bound (typically
+    about K of them) and marks those at it, raising the bound and collecting again while some
+    query's candidates overflow its buffer; :func:`_choose` takes the exact top-K within each
+    buffer, and :func:`_add_ties` completes a query with fewer than K above the bound from its
+    lowest-index keys at the bound.
     """
-    nq, B, bq = qp.shape
-    K, bk, ring = lay.K, lay.bk, lay.ring
-    perm = [(i, (i + 1) % ring) for i in range(ring)]
+    queries = (q_idx, w_idx, qp)
+    bound = _group_bounds(queries, keys, shard, lay)  # [nq, B, bq] float32
+    (buf, marks), top = _candidates(bound, queries, keys, shard, lay)
+    chosen = jax.lax.map(lambda b: _choose(b, lay.K, lay.index_bound), buf)  # a query block at a time
+    n = jnp.minimum(buf[2], lay.K)  # entries above the bound (all chosen when fewer than K)
 
-    def ring_pass(carry, fn):
-        """``fn(carry_i, i, s_block, slot_base, index_base)`` for every query block i and visible key block."""
+    def fill():
+        return jax.lax.map(functools.partial(_add_ties, lay=lay), (chosen, n, marks, _unsortable(top)))
 
-        def visit(c, step):
-            carry, ks = c
-            src = (shard - step) % ring
+    return jax.lax.cond(jnp.any(n < lay.K), fill, lambda: chosen)
 
-            k_all, kp_all = ks
-            first_pos = jnp.min(kp_all, axis=(1, 2))  # [nb]
 
-            def query_block(i, carry):
-                part = jax.tree.map(lambda x: x[i], carry)
-                q, w, p = q_idx[i], w_idx[i], qp[i]
-                # Blocks past the last one holding a visible key are skipped (positions need not be
-                # sorted: earlier invisible blocks are computed, masked).
-                ahead = jnp.max(jnp.where(first_pos <= jnp.max(p), jnp.arange(first_pos.shape[0]) + 1, 0))
+def _ring_pass(carry, fn, queries, keys, shard, lay: Layout):
+    """One pass of a chunk's queries over every key they can see: ``fn`` folded into ``carry``.
 
-                def key_block(b, part):
-                    s = index_scores(q, w, k_all[b], p, kp_all[b])
-                    start = b * bk
-                    return fn(part, i, s, src * lay.S_pad + start, src * lay.S + start)
+    Args:
+        carry: a pytree of per-query-block arrays ``[nq, ...]``.
+        fn: ``fn(part, i, s, slot_base, index_base) -> part``, called with query block ``i``'s
+            slice of ``carry`` and its scores ``s [B, bq, bk]`` against one key block, whose first
+            key has slot ``slot_base`` (of ``slots``, padded) and global index ``index_base``.
+        queries, keys, shard: as :func:`select_chunk`. Under context parallelism the keys go round
+            the ring: at step ``r`` a shard scores shard ``shard - r``'s keys.
+    """
+    nq = queries[2].shape[0]
+    perm = [(i, (i + 1) % lay.ring) for i in range(lay.ring)]
 
-                part = jax.lax.fori_loop(0, ahead, key_block, part)
-                return jax.tree.map(lambda x, y: x.at[i].set(y), carry, part)
-
-            carry = jax.lax.fori_loop(0, nq, query_block, carry)
-            if ring > 1:
-                ks = jax.lax.ppermute(ks, CONTEXT, perm)
-            return (carry, ks), None
-
-        (carry, _), _ = jax.lax.scan(visit, (carry, keys), jnp.arange(ring))
-        return carry
-
-    def uniform(x):
-        """A value every device agrees on: XLA:CPU's collectives rendezvous with every device of the
-        program, so a branch holding a ``ppermute`` must be taken everywhere or nowhere."""
-        return jax.lax.pmax(x, jax.sharding.get_abstract_mesh().axis_names) if ring > 1 else x
-
-    # Pass 1: group maxima, then the bound.
-    G = lay.group
-
-    def group_max(gm, i, s, slot_base, _):
-        m = jnp.max(s.reshape(B, bq, G, bk // G), axis=-2)  # group j: keys j, j + bk/G, ... (strided)
-        return jax.lax.dynamic_update_slice(gm, (_sortable(m) >> 16).astype(jnp.int16), (0, 0, slot_base // G))
-
-    if lay.slots // G >= K:
-        gm = varying(jnp.full((nq, B, bq, lay.slots // G), _KEY16_NEG_INF, jnp.int16), q_idx)
-        gm = ring_pass(gm, group_max)
-        bound = jax.lax.map(lambda g: _group_bound(g, K), gm)  # [nq, B, bq], one query block at a time
-        del gm
-    else:  # fewer groups than K in all: no bound
-        bound = varying(jnp.full((nq, B, bq), -jnp.inf, jnp.float32), q_idx)
-
-    def collect(C, top, tied=None):
-        """Buffers the visible entries with ``key > top``.
-
-        With ``tied`` (a key per query) the entries with exactly that key are marked in a bitmask
-        over all key slots (``[nq, B, bq, slots / bits]`` uint32, bit order = slot order) for
-        :func:`add_ties`: ReLU zeros tie by the thousand.
-        """
-
-        def add(carry, i, s, slot_base, index_base):
-            buf, marks = carry
-            take = (s > -jnp.inf) & (_sortable(s) > top[i][..., None])
-            buf = _append(buf, s, take, index_base, M=lay.append, bits=lay.bits)
-            if marks is not None:
-                at = (s > -jnp.inf) & (_sortable(s) == tied[i][..., None])
-                nw = bk // lay.bits
-                words = jnp.sum(
-                    at.reshape(B, bq, nw, lay.bits).astype(jnp.uint32) << jnp.arange(lay.bits, dtype=jnp.uint32),
-                    axis=-1,
-                )
-                marks = jax.lax.dynamic_update_slice(marks, words, (0, 0, slot_base // lay.bits))
-            return buf, marks
-
-        buf = (
-            jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
-            jnp.zeros((nq, B, bq, C), jnp.int32),
-            jnp.zeros((nq, B, bq), jnp.int32),
+    def visit(c, step):
+        carry, ks = c
+        src = (shard - step) % lay.ring
+        first_pos = jnp.min(ks[1], axis=(1, 2))  # [nb]
+        block = functools.partial(
+            _score_query_block, fn=fn, queries=queries, ks=ks, first_pos=first_pos, src=src, lay=lay
         )
-        marks = None if tied is None else jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
-        return ring_pass(jax.tree.map(lambda x: varying(x, q_idx), (buf, marks)), add)
+        carry = jax.lax.fori_loop(0, nq, block, carry)
+        if lay.ring > 1:
+            ks = jax.lax.ppermute(ks, CONTEXT, perm)
+        return (carry, ks), None
 
-    def add_ties(chosen, n_chosen, marks, value):
-        """Fills the slots after each query's ``n_chosen`` entries with its lowest-index marked keys."""
+    (carry, _), _ = jax.lax.scan(visit, (carry, keys), jnp.arange(lay.ring))
+    return carry
 
-        def one(xs):
-            (vals, idx), n, marks, value = xs
-            pc = jax.lax.population_count(marks).astype(jnp.int32)  # [B, bq, W]
-            csum = jnp.cumsum(pc, axis=-1)
-            j = jnp.arange(K, dtype=jnp.int32)
-            w = jax.vmap(jax.vmap(lambda c: jnp.searchsorted(c, j, side="right")))(csum)
-            w = jnp.minimum(w, marks.shape[-1] - 1).astype(jnp.int32)
-            rank = j - (jnp.take_along_axis(csum, w, axis=-1) - jnp.take_along_axis(pc, w, axis=-1))
-            slot = w * lay.bits + _select_bit(jnp.take_along_axis(marks, w, axis=-1), rank, lay.bits)
-            index = (slot // lay.S_pad) * lay.S + slot % lay.S_pad
-            dest = jnp.where(j < csum[..., -1:], n[..., None] + j, K)  # K: dropped (and past K)
-            put = jax.vmap(jax.vmap(lambda a, d, x: a.at[d].set(x, mode="drop")))
-            vals = put(vals, dest, jnp.broadcast_to(value[..., None], dest.shape))
-            return vals, put(idx, dest, index)
 
-        return jax.lax.map(one, (chosen, n_chosen, marks, value))
+def _score_query_block(i, carry, *, fn, queries, ks, first_pos, src, lay: Layout):
+    """:func:`_ring_pass`'s step for query block ``i`` and the key blocks ``ks`` of shard ``src``
+    (``first_pos [nb]``: each block's smallest position), scored ``[B, bq, bk]`` one at a time."""
+    part = jax.tree.map(lambda x: x[i], carry)
+    q, w, p = (x[i] for x in queries)
+    # Blocks past the last one holding a visible key are skipped (positions need not be sorted:
+    # earlier invisible blocks are computed, masked).
+    ahead = jnp.max(jnp.where(first_pos <= jnp.max(p), jnp.arange(first_pos.shape[0]) + 1, 0))
+    k_all, kp_all = ks
 
-    def choose(buf):
-        """:func:`_choose` a query block at a time."""
-        return jax.lax.map(lambda b: _choose(b, K, lay.index_bound), buf)
+    def key_block(b, part):
+        s = index_scores(q, w, k_all[b], p, kp_all[b])  # [B, bq, bk]
+        start = b * lay.bk
+        return fn(part, i, s, src * lay.S_pad + start, src * lay.S + start)
 
-    def most(buf):
-        return uniform(jnp.max(buf[2]))
+    part = jax.lax.fori_loop(0, ahead, key_block, part)
+    return jax.tree.map(lambda x, y: x.at[i].set(y), carry, part)
 
-    # Pass 2: the candidates at or above the bound, refined while some query has more than the
-    # buffer holds: the K-th largest of the buffered ones (a subset of the query's keys) is a
-    # tighter bound, and each round drops at least buffer - K of the candidates.
-    C = lay.buffer
-    # Entries above the bound are buffered, entries exactly at it (ties: ReLU zeros by the
-    # thousand) only marked: a query with fewer than K above takes its lowest-index ties. While
-    # some query has more above than the buffer holds, its buffer's K-th key (of a subset of its
-    # keys, so at least K keys reach it) becomes its new bound; each round drops at least
-    # buffer - K candidates.
+
+def _uniform(x, ring: int):
+    """A value every device agrees on: XLA:CPU's collectives rendezvous with every device of the
+    program, so a branch holding a ``ppermute`` must be taken everywhere or nowhere."""
+    return jax.lax.pmax(x, jax.sharding.get_abstract_mesh().axis_names) if ring > 1 else x
+
+
+# --------------------------------------------------------------------------------------------
+# Pass 1: group maxima, then the bound
+
+
+def _group_bounds(queries, keys, shard, lay: Layout):
+    """Each query's lower bound on its K-th score, ``[nq, B, bq]`` float32.
+
+    One pass stores every query's ``G = slots / group`` group maxima (``[nq, B, bq, G]`` int16,
+    :func:`_group_max`), then :func:`_group_bound` bisects them. Fewer groups than K in all:
+    ``-inf`` (no bound).
+    """
+    nq, B, bq = queries[2].shape
+    G = lay.slots // lay.group
+    if G < lay.K:
+        return varying(jnp.full((nq, B, bq), -jnp.inf, jnp.float32), queries[0])
+    gm = varying(jnp.full((nq, B, bq, G), _KEY16_NEG_INF, jnp.int16), queries[0])
+    gm = _ring_pass(gm, functools.partial(_group_max, lay=lay), queries, keys, shard, lay)
+    return jax.lax.map(lambda g: _group_bound(g, lay.K), gm)  # one query block at a time
+
+
+def _group_max(gm, i, s, slot_base, index_base, *, lay: Layout):
+    """Writes the maxima of the ``bk / group`` groups of one key block, ``s [B, bq, bk]``, into
+    ``gm [B, bq, G]`` (the top 16 bits of their :func:`_sortable` keys) from group ``slot_base /
+    group`` on."""
+    B, bq, bk = s.shape
+    m = jnp.max(s.reshape(B, bq, lay.group, bk // lay.group), axis=-2)  # group j: keys j, j + bk/group, ...
+    return jax.lax.dynamic_update_slice(gm, (_sortable(m) >> 16).astype(jnp.int16), (0, 0, slot_base // lay.group))
+
+
+# --------------------------------------------------------------------------------------------
+# Pass 2: the candidates above the bound, refined until they fit
+
+
+def _candidates(bound, queries, keys, shard, lay: Layout):
+    """Every query's candidates, the keys scoring above its bound, and its ties, the keys at it.
+
+    Entries above the bound are buffered, entries exactly at it (ReLU zeros tie by the thousand)
+    only marked: a query with fewer than K above takes its lowest-index ties (:func:`_add_ties`).
+    While some query has more candidates than its buffer holds, :func:`_raise_bound` raises its
+    bound and all queries collect again.
+
+    Args:
+        bound: ``[nq, B, bq]`` float32, from :func:`_group_bounds`.
+
+    Returns:
+        ``(buf, marks)`` as :func:`_collect` returns them, every ``count <= C``, and ``top [nq, B,
+        bq]``, the final bounds as :func:`_sortable` keys.
+    """
     top = _sortable(bound)
+    state = (_empty_candidates(queries[0], lay), top, jnp.zeros((), jnp.int32))
 
-    def raise_bound(xs, exact_only):
-        """A higher bound for one query block: its buffer's K-th entry at 16-bit resolution (cheap),
-        exact where that is no higher than the current bound, or after ``rounds`` rounds (the
-        exact K-th leaves fewer than K of the buffered entries above it, so each round then
-        drops at least ``buffer - K`` candidates: the loop ends)."""
-        vals, idx, n, top = xs
-        held = jnp.arange(C) < jnp.minimum(n, C)[..., None]
-        keys16 = jnp.where(held, _sortable(vals) >> 16, _KEY16_NEG_INF).astype(jnp.int16)
-        coarse = _sortable(_group_bound(keys16, K))
-        stuck = (n > C) & ((coarse <= top) | exact_only)
-        exact = lambda: _kth((vals, idx, n), K, lay.index_bound)[0]  # noqa: E731
-        return jnp.where(stuck, jax.lax.cond(jnp.any(stuck), exact, lambda: coarse), coarse)
+    def overflows(state):  # round 0 always collects; then: does a query on any shard overflow?
+        (buf, _), _, r = state
+        return (r == 0) | (_uniform(jnp.max(buf[2]), lay.ring) > lay.buffer)
 
     def refine(state):  # one collection per round (one traced copy of the pass: compile time)
-        (buf, marks), top, r = state
-        over = buf[2] > C  # never in round 0 (empty buffer)
-        top = jnp.where(over, jax.lax.map(lambda xs: raise_bound(xs, r > lay.rounds), (*buf, top)), top)
-        return collect(C, top, tied=top), top, r + 1
+        (buf, _), top, r = state
+        over = buf[2] > lay.buffer  # never in round 0 (empty buffer)
+        top = jnp.where(over, jax.lax.map(lambda xs: _raise_bound(xs, r > lay.rounds, lay), (*buf, top)), top)
+        return _collect(top, queries, keys, shard, lay), top, r + 1
 
-    empty = (
-        jnp.full((nq, B, bq, C), -jnp.inf, jnp.float32),
-        jnp.zeros((nq, B, bq, C), jnp.int32),
+    (buf, marks), top, _ = jax.lax.while_loop(overflows, refine, state)
+    return (buf, marks), top
+
+
+def _empty_candidates(like, lay: Layout):
+    """Empty ``(buf, marks)`` (as :func:`_collect` returns them) for the chunk of ``like [nq, B, bq, ...]``,
+    varying over the mesh axes ``like`` varies over."""
+    nq, B, bq = like.shape[:3]
+    buf = (
+        jnp.full((nq, B, bq, lay.buffer), -jnp.inf, jnp.float32),
+        jnp.zeros((nq, B, bq, lay.buffer), jnp.int32),
         jnp.zeros((nq, B, bq), jnp.int32),
     )
     marks = jnp.zeros((nq, B, bq, lay.slots // lay.bits), jnp.uint32)
-    state = (jax.tree.map(lambda x: varying(x, q_idx), (empty, marks)), top, jnp.zeros((), jnp.int32))
-    (buf, marks), top, _ = jax.lax.while_loop(lambda st: (st[2] == 0) | (most(st[0][0]) > C), refine, state)
-    chosen = choose(buf)
-    n = jnp.minimum(buf[2], K)  # entries above the bound (all chosen when fewer than K)
-    return jax.lax.cond(jnp.any(n < K), lambda: add_ties(chosen, n, marks, _unsortable(top)), lambda: chosen)
+    return jax.tree.map(lambda x: varying(x, like), (buf, marks))
+
+
+def _collect(top, queries, keys, shard, lay: Layout):
+    """One pass buffering each query's visible keys with :func:`_sortable` key ``> top [nq, B, bq]``.
+
+    Returns:
+        ``(buf, marks)``: ``buf = (vals, idx [nq, B, bq, C], count [nq, B, bq])`` as
+        :func:`_append` fills it (past ``C`` dropped but counted); ``marks [nq, B, bq, W]`` uint32,
+        a bitmask over all key slots (bit order = slot order) of the visible keys with key
+        ``== top``, for :func:`_add_ties`.
+    """
+    add = functools.partial(_add_candidates, top=top, lay=lay)
+    return _ring_pass(_empty_candidates(queries[0], lay), add, queries, keys, shard, lay)
+
+
+def _add_candidates(carry, i, s, slot_base, index_base, *, top, lay: Layout):
+    """:func:`_collect`'s step for query block ``i`` and one key block's scores ``s [B, bq, bk]``:
+    ``carry = ((vals, idx [B, bq, C], count [B, bq]), marks [B, bq, W])``."""
+    buf, marks = carry
+    B, bq, _ = s.shape
+    take = (s > -jnp.inf) & (_sortable(s) > top[i][..., None])
+    buf = _append(buf, s, take, index_base, M=lay.append, bits=lay.bits)
+    at = (s > -jnp.inf) & (_sortable(s) == top[i][..., None])
+    nw = lay.bk // lay.bits
+    words = jnp.sum(
+        at.reshape(B, bq, nw, lay.bits).astype(jnp.uint32) << jnp.arange(lay.bits, dtype=jnp.uint32),
+        axis=-1,
+    )  # [B, bq, nw]
+    marks = jax.lax.dynamic_update_slice(marks, words, (0, 0, slot_base // lay.bits))
+    return buf, marks
+
+
+def _raise_bound(xs, exact_only, lay: Layout):
+    """A higher bound for one query block whose candidates overflow, ``[B, bq]`` :func:`_sortable` keys.
+
+    ``xs = (vals, idx [B, bq, C], count [B, bq], top [B, bq])``. The buffered entries are a subset
+    of the query's keys, all above ``top``, so at least K keys reach their K-th: the new bound is
+    that K-th at 16-bit resolution (cheap), exact where the coarse one is no higher than ``top``
+    and everywhere once ``exact_only`` (after ``rounds`` rounds). Fewer than K buffered entries lie
+    above the exact K-th, so an exact round drops at least ``C - K + 1`` of the query's candidates
+    (``C = buffer * K`` in :class:`~jaxmoe.attention.dsa_context.DSABlocks` terms: at least
+    ``(buffer - 1) K + 1``), and the refinement ends; a 16-bit round only raises the bound.
+    """
+    vals, idx, n, top = xs
+    C, K = lay.buffer, lay.K
+    held = jnp.arange(C) < jnp.minimum(n, C)[..., None]
+    keys16 = jnp.where(held, _sortable(vals) >> 16, _KEY16_NEG_INF).astype(jnp.int16)
+    coarse = _sortable(_group_bound(keys16, K))
+    stuck = (n > C) & ((coarse <= top) | exact_only)
+    exact = lambda: _kth((vals, idx, n), K, lay.index_bound)[0]  # noqa: E731
+    return jnp.where(stuck, jax.lax.cond(jnp.any(stuck), exact, lambda: coarse), coarse)
+
+
+# --------------------------------------------------------------------------------------------
+# The ties
+
+
+def _add_ties(xs, *, lay: Layout):
+    """Fills the slots after each query's ``n`` chosen entries with its lowest-index marked keys.
+
+    ``xs = ((vals, idx [B, bq, K]) chosen, n [B, bq], marks [B, bq, W], value [B, bq])`` for one
+    query block, ``value`` the score of the marked keys (the bound). Returns ``(vals, idx)``.
+    """
+    (vals, idx), n, marks, value = xs
+    K = lay.K
+    pc = jax.lax.population_count(marks).astype(jnp.int32)  # [B, bq, W]
+    csum = jnp.cumsum(pc, axis=-1)
+    j = jnp.arange(K, dtype=jnp.int32)
+    w = jax.vmap(jax.vmap(lambda c: jnp.searchsorted(c, j, side="right")))(csum)  # [B, bq, K]: the j-th tie's word
+    w = jnp.minimum(w, marks.shape[-1] - 1).astype(jnp.int32)
+    rank = j - (jnp.take_along_axis(csum, w, axis=-1) - jnp.take_along_axis(pc, w, axis=-1))
+    slot = w * lay.bits + _select_bit(jnp.take_along_axis(marks, w, axis=-1), rank, lay.bits)
+    index = (slot // lay.S_pad) * lay.S + slot % lay.S_pad
+    dest = jnp.where(j < csum[..., -1:], n[..., None] + j, K)  # K: dropped (and past K)
+    put = jax.vmap(jax.vmap(lambda a, d, x: a.at[d].set(x, mode="drop")))
+    vals = put(vals, dest, jnp.broadcast_to(value[..., None], dest.shape))
+    return vals, put(idx, dest, index)
