@@ -64,6 +64,6 @@ def cached_logits(engine: Engine, sequences: list[list[int]], chunks: list[int],
     return [np.concatenate(o, axis=0) for o in out]
 
 
-def small_engine(model, **kw) -> Engine:
+def small_engine(model, mesh=None, eos_id=None, detokenize=None, **kw) -> Engine:
     args = dict(cache_bytes=1 << 22, page_size=8, max_seqs=4, snapshot_slots=4, step_tokens=64, chunk_size=16)
-    return Engine(model, EngineConfig(**(args | kw)))
+    return Engine(model, EngineConfig(**(args | kw)), mesh=mesh, eos_id=eos_id, detokenize=detokenize)
