@@ -353,8 +353,15 @@ def validate(cfg: Config) -> None:
             f"model.layer_kinds[{i}]",
             f"unknown attention kind {kind!r}; allowed: {ATTENTION_KINDS}",
         )
-    kinds = set(m.layer_kinds)
+    _validate_attention(m)
+    _validate_moe(m)
+    _validate_mxfp4(cfg)
+    _validate_divisibility(cfg)
+    _validate_train(cfg)
 
+
+def _validate_attention(m: ModelConfig) -> None:
+    kinds = set(m.layer_kinds)
     r = m.rope
     _require(r.type in ROPE_TYPES, "model.rope.type", f"must be one of {ROPE_TYPES}, got {r.type!r}")
     _require(r.theta > 0, "model.rope.theta", f"must be > 0, got {r.theta}")
@@ -395,6 +402,8 @@ def validate(cfg: Config) -> None:
         for f in ("num_heads", "head_dim", "conv_kernel", "chunk_size"):
             _positive(getattr(k, f), f"model.kda.{f}")
 
+
+def _validate_moe(m: ModelConfig) -> None:
     e = m.moe
     for f in ("num_experts", "experts_per_token", "expert_ffw_dim", "num_groups", "topk_groups"):
         _positive(getattr(e, f), f"model.moe.{f}")
@@ -433,9 +442,6 @@ def validate(cfg: Config) -> None:
         "model.moe.experts_per_token",
         f"top-k {e.experts_per_token} exceeds the experts in the {e.topk_groups} selected groups",
     )
-    _validate_mxfp4(cfg)
-    _validate_divisibility(cfg)
-    _validate_train(cfg)
 
 
 def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:

@@ -10,7 +10,6 @@ from jaxmoe.moe.expert_parallel import (
     ragged_experts,
     ragged_plan,
 )
-from jaxmoe.moe.experts import grouped_experts
 from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.moe.layer import MLP, MoE
 from jaxmoe.moe.reference import reference_experts, reference_moe
@@ -26,7 +25,6 @@ __all__ = [
     "dense_experts",
     "dropless_experts",
     "emulate_ragged_all_to_all",
-    "grouped_experts",
     "grouped_matmul",
     "reference_experts",
     "ragged_experts",

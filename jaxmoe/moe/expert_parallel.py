@@ -442,7 +442,7 @@ def dropless_experts(x_flat, weights, indices, w_gate, w_up, w_down, moe: MoECon
       moe: the MoE config.
 
     Returns:
-      ``(y [N, D] in x_flat.dtype, MoEStats)``; ``y`` is what :func:`jaxmoe.moe.grouped_experts`
+      ``(y [N, D] in x_flat.dtype, MoEStats)``; ``y`` is what :func:`jaxmoe.moe.reference_experts`
       returns.
     """
     return _expert_parallel(

@@ -24,7 +24,15 @@ def reference_experts(
     w_up: jax.Array,
     w_down: jax.Array,
 ) -> jax.Array:
-    """Same contract as :func:`jaxmoe.moe.experts.grouped_experts`, by a loop over experts."""
+    """Dropless routed experts by a loop over experts (the contract of every dispatch's ``y``).
+
+    Args:
+      x_flat: ``[N, D]`` tokens; weights: ``[N, K]`` combine weights; indices: ``[N, K]`` chosen
+        experts; w_gate, w_up: ``[E, D, F]``; w_down: ``[E, F, D]``.
+
+    Returns:
+      ``[N, D]``: ``sum_k weights[n, k] * expert_{indices[n, k]}(x[n])``.
+    """
     E = w_gate.shape[0]
     onehot = jax.nn.one_hot(indices, E, dtype=x_flat.dtype)  # [N, K, E]
     combine = jnp.einsum("NKE,NK->NE", onehot, weights.astype(x_flat.dtype))  # [N, E]
