@@ -125,16 +125,50 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _cmd_generate(args) -> int:
-    from jaxmoe.train.generate import generate  # noqa: PLC0415
+def _engine_config(args):
+    from jaxmoe.inference import EngineConfig  # noqa: PLC0415
 
+    for flag in ("max_seqs", "page_size", "chunk_size"):
+        if getattr(args, flag) < 1:
+            args.parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.cache_gb > 0:
+        args.parser.error(f"--cache-gb must be > 0, got {args.cache_gb}")
+    return EngineConfig(
+        cache_bytes=int(args.cache_gb * 2**30),
+        page_size=args.page_size,
+        max_seqs=args.max_seqs,
+        step_tokens=max(args.step_tokens, args.max_seqs),
+        chunk_size=args.chunk_size,
+    )
+
+
+def _cmd_generate(args) -> int:
+    from jaxmoe.inference.generate import RequestError, generate, run_requests  # noqa: PLC0415
+
+    if (args.prompt is None) == (args.requests is None):
+        args.parser.error("give exactly one of --prompt TEXT or --requests IN.jsonl")
+    if args.requests is not None and args.out is None:
+        args.parser.error("--requests needs --out OUT.jsonl")
     if args.max_new_tokens < 1:
         args.parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         args.parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    out = generate(
-        args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
-    )
+    config = _engine_config(args)
+    try:
+        if args.requests is not None:
+            run_requests(args.checkpoint, args.requests, args.out, engine_config=config, progress=not args.no_progress)
+            return 0
+        out = generate(
+            args.checkpoint,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            engine_config=config,
+        )
+    except RequestError as e:
+        print(f"jaxmoe generate: error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(out))
     else:
@@ -142,14 +176,7 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    info = sub.add_parser("info", help="parameter counts and memory facts of a config, as one JSON line")
-    info.add_argument("--config", required=True, type=pathlib.Path, help="ml_collections config file")
-    info.set_defaults(fn=_cmd_info)
-
+def _add_convert(sub) -> None:
     convert = sub.add_parser("convert", help="checkpoint conversion")
     csub = convert.add_subparsers(dest="convert_command", required=True, metavar="FORMAT")
     hf = csub.add_parser("hf", help="HF folder (deepseek_v3 / deepseek_v32 / kimi_linear) to a jaxmoe checkpoint")
@@ -172,12 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (hf, quantize, dequantize):
         sp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    logits = sub.add_parser("logits", help="float32 logits [B, T, V] of int token ids [B, T]")
-    logits.add_argument("--checkpoint", required=True, help="jaxmoe checkpoint directory: local or gs://B/P")
-    logits.add_argument("--tokens", required=True, type=pathlib.Path, help="int32 .npy file [B, T]")
-    logits.add_argument("--out", required=True, type=pathlib.Path, help="output .npy file")
-    logits.set_defaults(fn=_cmd_logits)
 
+def _add_train(sub) -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a config (resumes from DIR/checkpoints); --config.KEY=VALUE overrides any config field",
@@ -201,18 +224,56 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     train.set_defaults(fn=_cmd_train)
 
-    gen = sub.add_parser("generate", help="sample text from a trained workdir or checkpoint")
+    return train
+
+
+def _add_generate(sub) -> argparse.ArgumentParser:
+    gen = sub.add_parser(
+        "generate",
+        help="sample from a trained workdir or checkpoint through the inference engine",
+        description="--prompt TEXT continues one text; --requests IN.jsonl --out OUT.jsonl runs every request of "
+        "the file together (lines {\"prompt_ids\": [...]} or {\"prompt\": TEXT}, optional max_tokens, temperature, "
+        "top_p, top_k, seed, stop, ignore_eos).",
+    )
     gen.add_argument(
         "--checkpoint",
         required=True,
         help="training workdir, its checkpoints/ root, or a model checkpoint (e.g. DIR/export_mxfp4); local or gs://",
     )
-    gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 (default): greedy")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    gen.add_argument("--json", action="store_true", help="print JSON (prompt, completion, token ids) instead of text")
+    gen.add_argument("--prompt", default=None, help="text to continue")
+    gen.add_argument("--requests", type=pathlib.Path, default=None, help="JSON lines of requests")
+    gen.add_argument("--out", type=pathlib.Path, default=None, help="JSON lines of results, in input order")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="--prompt: tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="--prompt: temperature; 0 (default): greedy")
+    gen.add_argument("--seed", type=int, default=0, help="--prompt: sampling seed (default 0)")
+    gen.add_argument("--json", action="store_true", help="--prompt: print JSON (prompt, completion, token ids)")
+    gen.add_argument("--cache-gb", type=float, default=1.0, help="device memory for the KV pages and KDA slots")
+    gen.add_argument("--page-size", type=int, default=16, help="positions per cache page (default 16)")
+    gen.add_argument("--max-seqs", type=int, default=16, help="most sequences decoding at once (default 16)")
+    gen.add_argument("--step-tokens", type=int, default=256, help="token budget of one engine step (default 256)")
+    gen.add_argument("--chunk-size", type=int, default=128, help="most prompt tokens of a sequence per step")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     gen.set_defaults(fn=_cmd_generate)
+    return gen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = sub.add_parser("info", help="parameter counts and memory facts of a config, as one JSON line")
+    info.add_argument("--config", required=True, type=pathlib.Path, help="ml_collections config file")
+    info.set_defaults(fn=_cmd_info)
+
+    logits = sub.add_parser("logits", help="float32 logits [B, T, V] of int token ids [B, T]")
+    logits.add_argument("--checkpoint", required=True, help="jaxmoe checkpoint directory: local or gs://B/P")
+    logits.add_argument("--tokens", required=True, type=pathlib.Path, help="int32 .npy file [B, T]")
+    logits.add_argument("--out", required=True, type=pathlib.Path, help="output .npy file")
+    logits.set_defaults(fn=_cmd_logits)
+
+    _add_convert(sub)
+    train = _add_train(sub)
+    gen = _add_generate(sub)
     for sp in (train, gen):
         sp.set_defaults(parser=sp)
     return p

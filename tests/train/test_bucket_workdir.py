@@ -24,9 +24,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from jaxmoe import cli
 from jaxmoe.checkpoint.io import CONFIG_FILE
+from jaxmoe.inference.generate import generate
 from jaxmoe.paths import is_uri, resolve
 from jaxmoe.train.checkpoints import TOKENIZER_FILE, export_done, restore_model, write_export
-from jaxmoe.train.generate import generate
 from jaxmoe.train.metrics import MetricsWriter
 from jaxmoe.train.tensorboard import read_events
 

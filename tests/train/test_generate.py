@@ -1,5 +1,8 @@
-"""``jaxmoe generate`` on the test run: the requested number of tokens, greedy decoding
-deterministic and equal to an argmax over the full forward, from the workdir and the MXFP4 export."""
+"""``jaxmoe generate`` on the test run: the requested number of tokens, greedy decoding through the
+engine equal to an argmax over the full forward, from the workdir and the MXFP4 export, and
+``--requests`` files (errors naming the line and field)."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -8,12 +11,20 @@ import pytest
 from flax import nnx
 
 from jaxmoe import cli
-from jaxmoe.train.generate import generate, load_for_generation, sample
+from jaxmoe.inference import Engine, Request, SamplingParams
+from jaxmoe.inference.generate import generate, load_for_generation
 
 
 @pytest.fixture(scope="module")
 def loaded(run):
     return load_for_generation(run.workdir)
+
+
+def sample(model, prompt, *, max_new_tokens, temperature=0.0, seed=0):
+    """``max_new_tokens`` ids after ``prompt`` through a small engine (no eos: exactly that many)."""
+    engine = Engine(model)
+    request = Request(tuple(prompt), max_tokens=max_new_tokens, sampling=SamplingParams(temperature, seed=seed))
+    return engine.generate([request])[0].output_ids
 
 
 def test_greedy_is_the_argmax_of_the_full_forward(loaded):
@@ -60,3 +71,51 @@ def test_workdir_model_is_the_final_checkpoint(run, loaded):
         restored = mgr.restore(6, params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
     jax.tree.map(np.testing.assert_array_equal, state, jax.tree.map(np.asarray, restored.params))
     assert np.any(np.asarray(state["layers"][0]["ffn"]["router_bias"]) != 0)  # the bias was updated and saved
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_requests_file_batched_in_input_order(run, loaded, tmp_path):
+    _, model, tokenizer = loaded
+    lines = [
+        {"prompt": "class ", "max_tokens": 4},
+        {
+            "prompt_ids": [tokenizer.eos_id, *tokenizer.encode("import os")],
+            "max_tokens": 3,
+            "temperature": 0.8,
+            "seed": 5,
+        },
+        {"prompt": "def ", "max_tokens": 5, "stop": ["\n"], "ignore_eos": True},
+    ]
+    _write(tmp_path / "in.jsonl", lines)
+    argv = ["generate", "--checkpoint", str(run.workdir), "--requests", str(tmp_path / "in.jsonl")]
+    assert cli.main(argv + ["--out", str(tmp_path / "out.jsonl"), "--no-progress"]) == 0
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [len(o["output_ids"]) <= x["max_tokens"] for o, x in zip(out, lines)] == [True] * 3
+    assert out[0]["output_ids"] == sample(model, [tokenizer.eos_id, *tokenizer.encode("class ")], max_new_tokens=4)
+    second = sample(model, lines[1]["prompt_ids"], max_new_tokens=3, temperature=0.8, seed=5)
+    assert out[1]["output_ids"] == second[: len(out[1]["output_ids"])]
+    assert all(o["finish_reason"] in ("stop", "length") and isinstance(o["text"], str) for o in out)
+    assert "\n" not in out[2]["text"] and len(out[0]["logprobs"]) == len(out[0]["output_ids"])
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"prompt": "x", "max_tokens": "4"}, "'max_tokens' must be an integer"),
+        ({"prompt": "x", "temprature": 1.0}, "unknown field 'temprature'"),
+        ({"prompt_ids": [1, 2], "prompt": "x"}, "exactly one of 'prompt_ids'"),
+        ({"prompt_ids": [1, "a"]}, "'prompt_ids' must be a list of integers"),
+        ({"prompt_ids": [1, 2], "top_p": 0}, "top_p must be in"),
+        ({"prompt_ids": [1, 99999]}, "prompt_ids must be in"),
+        ({"prompt_ids": [1], "max_tokens": 10**6}, "max_context"),
+    ],
+)
+def test_bad_request_lines_are_named(run, tmp_path, capsys, line, message):
+    _write(tmp_path / "in.jsonl", [{"prompt": "ok"}, line])
+    argv = ["generate", "--checkpoint", str(run.workdir), "--requests", str(tmp_path / "in.jsonl")]
+    assert cli.main(argv + ["--out", str(tmp_path / "out.jsonl"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and ("in.jsonl:2" in err or "request 2" in err), err

@@ -1,0 +1,214 @@
+"""``jaxmoe generate``: text or request files through the inference engine.
+
+``--checkpoint`` may be a training workdir (its newest checkpoint and ``tokenizer.json``), a
+training checkpoint root (``workdir/checkpoints``), or a model checkpoint such as the MXFP4
+export or an HF conversion (``config.json`` + ``params/``; a tokenizer beside it or in its parent
+directory if it has one). Each may be local or in a bucket (``gs://B/P``), read where it lies.
+
+``--requests IN.jsonl --out OUT.jsonl`` runs every request of the file together through one
+engine. An input line is ``{"prompt_ids": [...]}`` or ``{"prompt": "text"}`` (text needs a
+tokenizer) with optional ``max_tokens`` (64), ``temperature`` (0: greedy), ``top_p``, ``top_k``,
+``seed``, ``stop`` (a string or a list of them) and ``ignore_eos``; output lines, in input order,
+are ``{"output_ids", "text", "finish_reason", "logprobs"}``. A text prompt gets the eos id in front,
+as every training document follows one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from flax import nnx
+from tqdm import tqdm
+
+from jaxmoe.checkpoint.io import CONFIG_FILE, load_model
+from jaxmoe.config import Config, MeshConfig
+from jaxmoe.data.tokenizer import BPETokenizer
+from jaxmoe.errors import CheckpointError
+from jaxmoe.inference.engine import Engine, EngineConfig
+from jaxmoe.inference.sampler import SamplingParams
+from jaxmoe.inference.scheduler import Request
+from jaxmoe.model import abstract_model
+from jaxmoe.paths import resolve
+from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, restore_model
+
+REQUEST_FIELDS = ("prompt_ids", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+def _inference_config(cfg: Config) -> Config:
+    """The engine's dispatch: dropless (a capacity limit would let padding take capacity); one device."""
+    moe = dataclasses.replace(cfg.model.moe, dispatch="dropless")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe), mesh=MeshConfig())
+
+
+def _with_config(model: nnx.Module, cfg: Config) -> nnx.Module:
+    """The same weights in a model built for ``cfg`` (the inference dispatch)."""
+    _, state = nnx.split(model)
+    graphdef, _ = nnx.split(abstract_model(cfg.model))
+    return nnx.merge(graphdef, state)
+
+
+def _tokenizer(path, cfg: Config) -> BPETokenizer | None:
+    for where in (path, path.parent):
+        if (where / TOKENIZER_FILE).is_file():
+            tokenizer = BPETokenizer.load(where / TOKENIZER_FILE)
+            if tokenizer.vocab_size > cfg.model.vocab_size:
+                raise CheckpointError(
+                    f"{TOKENIZER_FILE} has {tokenizer.vocab_size} tokens, the model's vocab_size is "
+                    f"{cfg.model.vocab_size}"
+                )
+            return tokenizer
+    return None
+
+
+def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, BPETokenizer | None]:
+    """``(config, model on one device, tokenizer or None)`` from a workdir, checkpoint root or model checkpoint."""
+    path = resolve(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--checkpoint {str(path)!r} is not a directory")
+    if (path / CHECKPOINT_DIR).is_dir():
+        cfg, model = restore_model(path / CHECKPOINT_DIR)
+    elif (path / CONFIG_FILE).is_file():
+        cfg, model = load_model(path)  # read where it lies, a bucket's too
+    elif any(p.name.isdigit() for p in path.iterdir()):
+        cfg, model = restore_model(path)
+    else:
+        raise FileNotFoundError(
+            f"--checkpoint {str(path)!r} is neither a training workdir (with {CHECKPOINT_DIR}/), a checkpoint "
+            f"root (numbered steps) nor a model checkpoint (with {CONFIG_FILE})"
+        )
+    tokenizer = _tokenizer(path, cfg)
+    cfg = _inference_config(cfg)
+    return cfg, _with_config(model, cfg), tokenizer
+
+
+def _engine(model, tokenizer: BPETokenizer | None, config: EngineConfig | None) -> Engine:
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    return Engine(
+        model, config or EngineConfig(), eos_id=eos, detokenize=tokenizer.decode if tokenizer is not None else None
+    )
+
+
+def generate(
+    path: str | pathlib.Path,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    engine_config: EngineConfig | None = None,
+) -> dict:
+    """Loads ``path`` and continues ``prompt``: ``{"prompt", "completion", "tokens", "text", "finish_reason"}``."""
+    cfg, model, tokenizer = load_for_generation(path)
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"no {TOKENIZER_FILE} in {str(path)!r} or its parent: --prompt needs one (use --requests with prompt_ids)"
+        )
+    prompt_ids = (tokenizer.eos_id, *tokenizer.encode(prompt))
+    request = Request(
+        prompt_ids, max_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, seed=seed)
+    )
+    out = _engine(model, tokenizer, engine_config).generate([request])[0]
+    completion = out.text
+    return {
+        "prompt": prompt,
+        "completion": completion,
+        "tokens": out.output_ids,
+        "text": prompt + completion,
+        "finish_reason": out.finish_reason,
+    }
+
+
+class RequestError(ValueError):
+    """A request line holds a field that is not allowed; the message names the line and field."""
+
+
+def parse_request(line: dict, tokenizer: BPETokenizer | None, where: str) -> Request:
+    """One ``--requests`` line to a :class:`Request`, refusing unknown or ill-typed fields."""
+    if not isinstance(line, dict):
+        raise RequestError(f"{where}: a request is a JSON object, got {type(line).__name__}")
+    unknown = sorted(set(line) - set(REQUEST_FIELDS))
+    if unknown:
+        raise RequestError(f"{where}: unknown field {unknown[0]!r}; allowed: {REQUEST_FIELDS}")
+    if ("prompt_ids" in line) == ("prompt" in line):
+        raise RequestError(f"{where}: give exactly one of 'prompt_ids' (token ids) or 'prompt' (text)")
+    if "prompt" in line:
+        if tokenizer is None:
+            raise RequestError(f"{where}: 'prompt' needs a tokenizer; this checkpoint has none, give 'prompt_ids'")
+        if not isinstance(line["prompt"], str):
+            raise RequestError(f"{where}: 'prompt' must be a string")
+        ids = (tokenizer.eos_id, *tokenizer.encode(line["prompt"]))
+    else:
+        ids = line["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise RequestError(f"{where}: 'prompt_ids' must be a list of integers")
+    stop = line.get("stop", ())
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"{where}: 'stop' must be a non-empty string or a list of them")
+    try:
+        sampling = SamplingParams(
+            temperature=float(line.get("temperature", 0.0)),
+            top_p=float(line.get("top_p", 1.0)),
+            top_k=_int(line, "top_k", 0, where),
+            seed=_int(line, "seed", 0, where),
+        )
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"{where}: {e}") from e
+    ignore_eos = line.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise RequestError(f"{where}: 'ignore_eos' must be true or false")
+    return Request(
+        tuple(ids),
+        max_tokens=_int(line, "max_tokens", 64, where),
+        sampling=sampling,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+    )
+
+
+def _int(line: dict, key: str, default: int, where: str) -> int:
+    value = line.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(f"{where}: {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def run_requests(
+    checkpoint: str | pathlib.Path,
+    requests_path: str | pathlib.Path,
+    out_path: str | pathlib.Path,
+    *,
+    engine_config: EngineConfig | None = None,
+    progress: bool = True,
+) -> int:
+    """Every request of ``requests_path`` through one engine; writes ``out_path``; returns the count."""
+    _, model, tokenizer = load_for_generation(checkpoint)
+    requests_path = pathlib.Path(requests_path)
+    requests = []
+    for n, text in enumerate(requests_path.read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        where = f"{requests_path}:{n}"
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{where}: not JSON: {e}") from e
+        requests.append(parse_request(line, tokenizer, where))
+    engine = _engine(model, tokenizer, engine_config)
+    for i, r in enumerate(requests):
+        try:
+            engine.submit(r)
+        except ValueError as e:
+            raise RequestError(f"request {i + 1}: {e}") from e
+    ids = list(range(len(requests)))
+    with tqdm(total=len(requests), desc="generate", unit="req", disable=not progress) as bar:
+        while engine.has_work():
+            bar.update(len(engine.step()))
+    with pathlib.Path(out_path).open("w") as f:
+        for i in ids:
+            c = engine.completion(i)
+            out = {"output_ids": c.output_ids, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
+            f.write(json.dumps(out) + "\n")
+    return len(requests)
