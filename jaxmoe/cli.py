@@ -143,7 +143,7 @@ def _engine_config(args):
 
 
 def _cmd_generate(args) -> int:
-    from jaxmoe.inference.generate import RequestError, generate, run_requests  # noqa: PLC0415
+    from jaxmoe.inference.generate import RequestError, generate, parse_mesh, run_requests  # noqa: PLC0415
 
     if (args.prompt is None) == (args.requests is None):
         args.parser.error("give exactly one of --prompt TEXT or --requests IN.jsonl")
@@ -154,9 +154,18 @@ def _cmd_generate(args) -> int:
     if args.temperature < 0:
         args.parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     config = _engine_config(args)
+    _init_distributed(args, args.parser)
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh is not None else None
+    except ValueError as e:
+        args.parser.error(str(e))
+    if mesh is not None and args.requests is None:
+        args.parser.error("--mesh goes with --requests")
     try:
         if args.requests is not None:
-            run_requests(args.checkpoint, args.requests, args.out, engine_config=config, progress=not args.no_progress)
+            run_requests(
+                args.checkpoint, args.requests, args.out, engine_config=config, mesh=mesh, progress=not args.no_progress
+            )
             return 0
         out = generate(
             args.checkpoint,
@@ -211,20 +220,23 @@ def _add_train(sub) -> argparse.ArgumentParser:
     train.add_argument(
         "--workdir", required=True, help="run directory (checkpoints, metrics): a local path or a bucket, gs://B/P"
     )
-    train.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process runs)")
-    train.add_argument("--num_processes", type=int, default=None, help="number of processes (multi-process runs)")
-    train.add_argument("--process_id", type=int, default=None, help="this process's index (multi-process runs)")
-    train.add_argument(
+    _add_distributed_flags(train)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    train.set_defaults(fn=_cmd_train)
+    return train
+
+
+def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process runs)")
+    p.add_argument("--num_processes", type=int, default=None, help="number of processes (multi-process runs)")
+    p.add_argument("--process_id", type=int, default=None, help="this process's index (multi-process runs)")
+    p.add_argument(
         "--multihost",
         choices=("auto", "off"),
         default="auto",
         help="auto (default): on Cloud TPU, call jax.distributed.initialize() by itself; off: never (unless the "
         "three flags above are given)",
     )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    train.set_defaults(fn=_cmd_train)
-
-    return train
 
 
 def _add_generate(sub) -> argparse.ArgumentParser:
@@ -252,6 +264,13 @@ def _add_generate(sub) -> argparse.ArgumentParser:
     gen.add_argument("--max-seqs", type=int, default=16, help="most sequences decoding at once (default 16)")
     gen.add_argument("--step-tokens", type=int, default=256, help="token budget of one engine step (default 256)")
     gen.add_argument("--chunk-size", type=int, default=128, help="most prompt tokens of a sequence per step")
+    gen.add_argument(
+        "--mesh",
+        default=None,
+        help="shard the weights over a mesh of all devices, e.g. tensor=4,expert=2 (axes data, fsdp, expert, "
+        "context, tensor; default: one device)",
+    )
+    _add_distributed_flags(gen)
     gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     gen.set_defaults(fn=_cmd_generate)
     return gen

@@ -156,30 +156,24 @@ class DSA(MLA):
         q_latent = self.query_latent(x) if q_latent is None else q_latent
         q_nope, q_rope = self.queries(x, positions, q_latent)
         c_kv, k_rope = self.latents(x, positions)
-        return self.attend_selected(q_nope, q_rope, c_kv, k_rope, indices, valid)
+        latents = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [B, S, C + R]
+        return self.attend_selected(q_nope, q_rope, latents, indices, valid)
 
-    def attend_selected(
-        self,
-        q_nope: jax.Array,
-        q_rope: jax.Array,
-        c_kv: jax.Array,
-        k_rope: jax.Array,
-        indices: jax.Array,
-        valid: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
+    def attend_selected(self, q_nope, q_rope, latents, indices, valid) -> tuple[jax.Array, jax.Array]:
         """The absorbed attention of :meth:`sparse_attention` given queries and (cached) latents.
 
         Args:
             q_nope: ``[B, T, N, Hn]``; q_rope: ``[B, T, N, R]`` from :meth:`queries`.
-            c_kv: ``[B, S, C]``; k_rope: ``[B, S, R]`` latents of every key position.
+            latents: ``[B, S, C + R]`` every key position's ``c_kv`` and rope key, concatenated.
             indices, valid: ``[B, T, K]`` the selected key positions (indices into S).
 
         Returns:
             ``y[B, T, D]`` and the probabilities ``[B, T, N, K]``.
         """
         with jax.named_scope("sparse_attention"):
-            c_sel = gather_keys(c_kv, indices)  # [B, T, K, C]
-            r_sel = gather_keys(k_rope, indices)  # [B, T, K, R]
+            C = self.cfg.mla.kv_lora_rank
+            selected = gather_keys(latents, indices)  # [B, T, K, C + R]
+            c_sel, r_sel = selected[..., :C], selected[..., C:]
             q_lat = self.absorb_query(q_nope)  # [B, T, N, C]
             logits = jnp.einsum("BTNC,BTKC->BTNK", q_lat, c_sel, preferred_element_type=jnp.float32)
             logits += jnp.einsum("BTNR,BTKR->BTNK", q_rope, r_sel, preferred_element_type=jnp.float32)

@@ -67,15 +67,7 @@ def context_parallel_conv(qkv: jax.Array, w: jax.Array, conv_state: jax.Array, c
     )
 
 
-def context_parallel_delta_rule(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    initial_state: jax.Array | None = None,
-    chunk_size: int = 64,
-) -> tuple[jax.Array, jax.Array]:
+def context_parallel_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over a context-sharded sequence; equals ``chunked_delta_rule``.
 
     Args and returns as :func:`jaxmoe.attention.delta_rule.chunked_delta_rule` (``q, k, g [B, T, N, H]``,

@@ -156,11 +156,11 @@ def _maintain(cache, zero_pages, zero_slots, copy_pages, copy_slots):
     return paged | slotted
 
 
-def maintain(cache, spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages=(), copy_slots=()):
-    """Zeroes freed pages and slots, then copies pages and slots (``(src, dst)`` pairs), in one program.
+def maintenance(spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages=(), copy_slots=()) -> tuple:
+    """Host arrays for :func:`maintain`: freed pages and slots to zero, ``(src, dst)`` pages and slots to copy.
 
-    Lists are padded to powers of two with out-of-range ids (dropped) so the program compiles
-    for a handful of sizes only. Copies read after the zeroing: a destination is a fresh page.
+    Lists are padded to powers of two with out-of-range ids (dropped), so the program compiles
+    for a handful of sizes only.
     """
 
     def ids(values, limit):
@@ -169,12 +169,21 @@ def maintain(cache, spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages
         out[: len(values)] = values
         return out
 
-    def pairs(values, limit):
-        src = ids([s for s, _ in values], limit)
-        dst = ids([d for _, d in values], limit)
-        return src, dst
-
     G, Z = spec.num_pages, spec.num_slots
-    return _maintain(
-        cache, ids(list(zero_pages), G), ids(list(zero_slots), Z), pairs(copy_pages, G), pairs(copy_slots, Z)
+    return (
+        ids(list(zero_pages), G),
+        ids(list(zero_slots), Z),
+        ids([s for s, _ in copy_pages], G),
+        ids([d for _, d in copy_pages], G),
+        ids([s for s, _ in copy_slots], Z),
+        ids([d for _, d in copy_slots], Z),
     )
+
+
+def maintain(cache, arrays: tuple):
+    """Zeroes freed pages and slots, then copies pages and slots (one program; see :func:`maintenance`).
+
+    Copies read after the zeroing: a destination is a fresh page or slot.
+    """
+    zero_pages, zero_slots, page_src, page_dst, slot_src, slot_dst = arrays
+    return _maintain(cache, zero_pages, zero_slots, (page_src, page_dst), (slot_src, slot_dst))

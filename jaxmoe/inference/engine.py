@@ -27,10 +27,12 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.inference.allocator import pages_for
-from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain
+from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maintenance
 from jaxmoe.inference.forward import Rows, forward, last_hidden
+from jaxmoe.inference.multihost import Work, broadcast
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
+from jaxmoe.sharding import state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,9 @@ class Engine:
         )
         self._next_id = 0
         self.sequences: dict[int, Sequence] = {}
+        # prefill_tokens: positions computed below a sequence's length at admission (prompt, or a
+        # preempted sequence's prompt + output again); decode_tokens: the rest; cached_tokens: taken
+        # from prefix entries instead of computed.
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0}
 
     # ------------------------------------------------------------------------------------
@@ -208,23 +213,51 @@ class Engine:
     # A step
 
     def step(self) -> list[int]:
-        """Schedules and runs one step; returns the ids of the requests that finished in it."""
+        """Schedules and runs one step; returns the ids of the requests that finished in it.
+
+        In a multi-process run only process 0 calls this; the others run :meth:`follow`.
+        """
         plan = self.scheduler.schedule()
+        groups, sampling, order = self._arrays(plan) if plan.rows else ((), None, [])
+        upkeep = None
         if plan.zero_pages or plan.zero_slots or plan.copy_pages or plan.copy_slots:
-            self.cache = maintain(
-                self.cache,
+            upkeep = maintenance(
                 self.spec,
                 zero_pages=plan.zero_pages,
                 zero_slots=plan.zero_slots,
                 copy_pages=plan.copy_pages,
                 copy_slots=plan.copy_slots,
             )
+        out = self.execute(broadcast(Work(upkeep, groups, sampling)))
+        self.stats["cached_tokens"] = self.scheduler.cached_tokens
         if not plan.rows:
             return []
-        groups, sampling, order = self._arrays(plan)
-        tokens, logprobs = self.run_arrays(groups, sampling)
         self.stats["steps"] += 1
-        return self._advance(plan, order, np.asarray(tokens), np.asarray(logprobs))
+        return self._advance(plan, order, *out)
+
+    def execute(self, work: Work):
+        """Runs a step's work (every process the same): maintenance, then the model and the sampler.
+
+        Returns:
+          ``(tokens, logprobs)`` as numpy arrays, or None when the step has no rows.
+        """
+        if work.maintenance is not None:
+            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                self.cache = maintain(self.cache, work.maintenance)
+        if not work.groups:
+            return None
+        tokens, logprobs = self.run_arrays(work.groups, work.sampling)
+        return _host(tokens), _host(logprobs)
+
+    def follow(self) -> None:
+        """A non-zero process of a multi-process run: runs process 0's steps until it says stop."""
+        while (work := broadcast(None)) is not None:
+            self.execute(work)
+
+    def stop_followers(self) -> None:
+        """Process 0: tells the :meth:`follow` loops of the other processes to return."""
+        if jax.process_count() > 1:
+            broadcast(None)
 
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""
@@ -270,8 +303,9 @@ class Engine:
             if seq is None:
                 continue
             n = sizes[id(seq)]
-            key = "decode_tokens" if seq.pending == 1 else "prefill_tokens"
-            self.stats[key] += n
+            prefill = max(0, min(seq.computed + n, seq.admitted_tokens) - seq.computed)
+            self.stats["prefill_tokens"] += prefill
+            self.stats["decode_tokens"] += n - prefill
             seq.computed += n
             if seq.pending > 0:  # a prompt chunk that did not reach the end: nothing to sample
                 continue
@@ -306,6 +340,30 @@ class Engine:
         text = self._text(seq)
         cuts = [text.find(s) for s in seq.request.stop if s in text]
         seq.text = text[: min(cuts)] if cuts else text
+
+
+def place(model, mesh: jax.sharding.Mesh):
+    """``model`` with every weight sharded over ``mesh`` by the training rules (tensor, expert, fsdp axes).
+
+    Each process passes the same host values (the same checkpoint), so this works across
+    processes as well: every process builds its own shards of one global array.
+    """
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh)
+
+    def put(sharding, value):
+        def one(x):
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(one, value)
+
+    return nnx.merge(graphdef, jax.tree.map(put, shardings, state))
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated result on the host (in a multi-process run, this process's copy)."""
+    return np.asarray(x.addressable_data(0)) if jax.process_count() > 1 else np.asarray(x)
 
 
 def _sampling(order: list) -> RowSampling:

@@ -126,8 +126,7 @@ def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Ar
         _, indices = jax.lax.top_k(scores, K)  # ties: lowest position first, as the reference
         valid = indices <= pos[:, :, None]
     q_nope, q_rope = attn.queries(x, pos, q_latent)
-    C = c_kv.shape[-1]
-    y, _ = attn.attend_selected(q_nope, q_rope, seen[..., :C], seen[..., C:], indices, valid)
+    y, _ = attn.attend_selected(q_nope, q_rope, seen, indices, valid)
     return y, pool, index_pool
 
 

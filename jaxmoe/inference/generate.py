@@ -19,6 +19,7 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 from flax import nnx
 from tqdm import tqdm
 
@@ -26,11 +27,13 @@ from jaxmoe.checkpoint.io import CONFIG_FILE, load_model
 from jaxmoe.config import Config, MeshConfig
 from jaxmoe.data.tokenizer import BPETokenizer
 from jaxmoe.errors import CheckpointError
-from jaxmoe.inference.engine import Engine, EngineConfig
+from jaxmoe.inference.engine import Engine, EngineConfig, place
 from jaxmoe.inference.sampler import SamplingParams
 from jaxmoe.inference.scheduler import Request
 from jaxmoe.model import abstract_model
 from jaxmoe.paths import resolve
+from jaxmoe.rules import MESH_AXES
+from jaxmoe.sharding import make_mesh
 from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, restore_model
 
 REQUEST_FIELDS = ("prompt_ids", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
@@ -175,40 +178,81 @@ def _int(line: dict, key: str, default: int, where: str) -> int:
     return value
 
 
+def parse_mesh(text: str) -> MeshConfig:
+    """``"tensor=4,expert=2"`` -> MeshConfig (unnamed axes 1); the product must be the device count."""
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh: {part!r} is not AXIS=N with AXIS one of {MESH_AXES} and N >= 1")
+        sizes[name] = int(value)
+    mesh = MeshConfig(**sizes)
+    if mesh.num_devices != jax.device_count():
+        raise ValueError(f"--mesh {text!r} has {mesh.num_devices} devices; this run has {jax.device_count()}")
+    return mesh
+
+
+def _read_requests(path: pathlib.Path, tokenizer: BPETokenizer | None) -> list[Request]:
+    requests = []
+    for n, text in enumerate(path.read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{where}: not JSON: {e}") from e
+        requests.append(parse_request(line, tokenizer, where))
+    return requests
+
+
+def _run_all(engine: Engine, requests: list[Request], progress: bool) -> list:
+    for i, r in enumerate(requests):
+        try:
+            engine.submit(r)
+        except ValueError as e:
+            raise RequestError(f"request {i + 1}: {e}") from e
+    with tqdm(total=len(requests), desc="generate", unit="req", disable=not progress) as bar:
+        while engine.has_work():
+            bar.update(len(engine.step()))
+    return [engine.completion(i) for i in range(len(requests))]
+
+
 def run_requests(
     checkpoint: str | pathlib.Path,
     requests_path: str | pathlib.Path,
     out_path: str | pathlib.Path,
     *,
     engine_config: EngineConfig | None = None,
+    mesh: MeshConfig | None = None,
     progress: bool = True,
 ) -> int:
-    """Every request of ``requests_path`` through one engine; writes ``out_path``; returns the count."""
+    """Every request of ``requests_path`` through one engine; writes ``out_path``; returns the count.
+
+    With ``mesh`` the weights are sharded over it. In a multi-process run every process calls
+    this: process 0 reads the requests, schedules and writes the results; the others follow
+    its steps (and return 0).
+    """
     _, model, tokenizer = load_for_generation(checkpoint)
-    requests_path = pathlib.Path(requests_path)
-    requests = []
-    for n, text in enumerate(requests_path.read_text().splitlines(), 1):
-        if not text.strip():
-            continue
-        where = f"{requests_path}:{n}"
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"{where}: not JSON: {e}") from e
-        requests.append(parse_request(line, tokenizer, where))
-    engine = _engine(model, tokenizer, engine_config)
-    for i, r in enumerate(requests):
-        try:
-            engine.submit(r)
-        except ValueError as e:
-            raise RequestError(f"request {i + 1}: {e}") from e
-    ids = list(range(len(requests)))
-    with tqdm(total=len(requests), desc="generate", unit="req", disable=not progress) as bar:
-        while engine.has_work():
-            bar.update(len(engine.step()))
+    mesh_ = make_mesh(mesh) if mesh is not None and mesh.num_devices > 1 else None
+    if mesh_ is not None:
+        model = place(model, mesh_)
+    engine = Engine(
+        model,
+        engine_config or EngineConfig(),
+        eos_id=tokenizer.eos_id if tokenizer is not None else None,
+        detokenize=tokenizer.decode if tokenizer is not None else None,
+        mesh=mesh_,
+    )
+    if jax.process_index() != 0:
+        engine.follow()
+        return 0
+    try:
+        completions = _run_all(engine, _read_requests(pathlib.Path(requests_path), tokenizer), progress)
+    finally:
+        engine.stop_followers()
     with pathlib.Path(out_path).open("w") as f:
-        for i in ids:
-            c = engine.completion(i)
+        for c in completions:
             out = {"output_ids": c.output_ids, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
             f.write(json.dumps(out) + "\n")
-    return len(requests)
+    return len(completions)

@@ -58,6 +58,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     cached_tokens: int = 0  # prompt tokens taken from a prefix entry at the last admission
+    admitted_tokens: int = 0  # len(tokens) at the last admission: positions below it are prefill
     finish_reason: str | None = None
     text: str | None = None
 
@@ -105,6 +106,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps = 0
         self.preemptions = 0
+        self.cached_tokens = 0  # prompt tokens taken from prefix entries, over all admissions
         self._copies: tuple[list, list] = ([], [])
 
     # ------------------------------------------------------------------------------------
@@ -166,6 +168,8 @@ class Scheduler:
         self.waiting.popleft()
         seq.slot = self.slots.allocate()
         seq.computed = seq.cached_tokens = n
+        self.cached_tokens += n
+        seq.admitted_tokens = len(seq.tokens)
         if entry is not None:
             self.pages.share(entry.pages[:shared])
             seq.pages = entry.pages[:shared]
