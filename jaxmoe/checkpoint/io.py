@@ -275,7 +275,7 @@ def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None):
     reader = CheckpointReader(path)
     graphdef, abstract_state = nnx.split(abstract_model(reader.cfg.model))
     if mesh is None:
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # this process's own copy (jax.devices()[0] is process 0's)
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), abstract_state)
     else:
         shardings = state_shardings(abstract_state, mesh)

@@ -88,6 +88,9 @@ def _step(graphdef, spec: CacheSpec, all_logits: bool, state, cache, groups, sam
     hidden, cache = forward(model, spec, cache, groups)
     last = jnp.concatenate([last_hidden(h, g) for h, g in zip(hidden, groups)], axis=0)  # [B, D]
     tokens, logprobs = sample(model.head(last), sampling)
+    if not jax.sharding.get_abstract_mesh().empty:  # every process reads its own full copy
+        replicated = jax.sharding.PartitionSpec()
+        tokens, logprobs = (jax.lax.with_sharding_constraint(a, replicated) for a in (tokens, logprobs))
     logits = [model.head(h) for h in hidden] if all_logits else None
     return tokens, logprobs, cache, logits
 

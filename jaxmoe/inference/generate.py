@@ -65,15 +65,21 @@ def _tokenizer(path, cfg: Config) -> BPETokenizer | None:
     return None
 
 
-def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, BPETokenizer | None]:
-    """``(config, model on one device, tokenizer or None)`` from a workdir, checkpoint root or model checkpoint."""
+def load_for_generation(
+    path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Config, nnx.Module, BPETokenizer | None]:
+    """``(config, model, tokenizer or None)`` from a workdir, checkpoint root or model checkpoint.
+
+    The weights land on this process's first device, or sharded over ``mesh`` by the rules (a
+    global mesh in a multi-process run: every process restores its own shards).
+    """
     path = resolve(path)
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {str(path)!r} is not a directory")
     if (path / CHECKPOINT_DIR).is_dir():
         cfg, model = restore_model(path / CHECKPOINT_DIR)
     elif (path / CONFIG_FILE).is_file():
-        cfg, model = load_model(path)  # read where it lies, a bucket's too
+        cfg, model = load_model(path, mesh)  # read where it lies, a bucket's too
     elif any(p.name.isdigit() for p in path.iterdir()):
         cfg, model = restore_model(path)
     else:
@@ -81,6 +87,8 @@ def load_for_generation(path: str | pathlib.Path) -> tuple[Config, nnx.Module, B
             f"--checkpoint {str(path)!r} is neither a training workdir (with {CHECKPOINT_DIR}/), a checkpoint "
             f"root (numbered steps) nor a model checkpoint (with {CONFIG_FILE})"
         )
+    if mesh is not None and not (path / CONFIG_FILE).is_file():
+        model = place(model, mesh)  # a training checkpoint restores onto one device first
     tokenizer = _tokenizer(path, cfg)
     cfg = _inference_config(cfg)
     return cfg, _with_config(model, cfg), tokenizer
@@ -233,10 +241,8 @@ def run_requests(
     this: process 0 reads the requests, schedules and writes the results; the others follow
     its steps (and return 0).
     """
-    _, model, tokenizer = load_for_generation(checkpoint)
     mesh_ = make_mesh(mesh) if mesh is not None and mesh.num_devices > 1 else None
-    if mesh_ is not None:
-        model = place(model, mesh_)
+    _, model, tokenizer = load_for_generation(checkpoint, mesh_)
     engine = Engine(
         model,
         engine_config or EngineConfig(),
