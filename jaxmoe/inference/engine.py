@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxmoe.inference.allocator import pages_for
 from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maintenance
-from jaxmoe.inference.forward import Rows, forward, last_hidden
+from jaxmoe.inference.forward import Rows, forward, last_hidden, write
 from jaxmoe.inference.multihost import Work, broadcast
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
@@ -85,17 +85,19 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 def _step(graphdef, spec: CacheSpec, all_logits: bool, state, cache, groups, sampling):
     model = nnx.merge(graphdef, state)
-    hidden, cache = forward(model, spec, cache, groups)
+    hidden, writes = forward(model, spec, cache, groups)
     last = jnp.concatenate([last_hidden(h, g) for h, g in zip(hidden, groups)], axis=0)  # [B, D]
     tokens, logprobs = sample(model.head(last), sampling)
     if not jax.sharding.get_abstract_mesh().empty:  # every process reads its own full copy
         replicated = jax.sharding.PartitionSpec()
         tokens, logprobs = (jax.lax.with_sharding_constraint(a, replicated) for a in (tokens, logprobs))
     logits = [model.head(h) for h in hidden] if all_logits else None
-    return tokens, logprobs, cache, logits
+    return tokens, logprobs, writes, logits
 
 
-_step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
+# The step reads the pools; a second program stores its writes into the donated pools in place.
+_step_jit = jax.jit(_step, static_argnums=(0, 1, 2))
+_write_jit = jax.jit(write, donate_argnums=(0,))
 
 
 class Engine:
@@ -265,9 +267,10 @@ class Engine:
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            tokens, logprobs, self.cache, logits = _step_jit(
+            tokens, logprobs, writes, logits = _step_jit(
                 self.graphdef, self.spec, all_logits, self.state, self.cache, groups, sampling
             )
+            self.cache = _write_jit(self.cache, groups, writes)
         return (tokens, logprobs, logits) if all_logits else (tokens, logprobs)
 
     def _arrays(self, plan: Plan):

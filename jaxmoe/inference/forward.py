@@ -4,14 +4,14 @@ A step's tokens come in *groups* (:class:`Rows`), each a padded ``[B, T]`` block
 group (T = 1, one new token per running sequence) and the prefill group (T up to the chunk
 size, a slice of one prompt per row). Token-wise work (norms, projections, the MoE) runs on all
 of a step's tokens at once, so the MoE routes them together as in training (dropless). Attention
-runs per group, against the pools:
+runs per group, against the pools (read here; the new entries are stored by :func:`write`):
 
-- ``mla``: the new tokens' latents are written to their pages, then the queries attend to the
-  row's pages in the absorbed form (MQA over the latent: per-head K/V are never built).
-- ``dsa``: the latents and indexer keys are written; the indexer scores every cached key of
-  the row, the exact top-k is taken, and the absorbed attention reads only those latents.
+- ``mla``: the queries attend to the row's pages plus the new tokens' own latents, in the
+  absorbed form (MQA over the latent: per-head K/V are never built).
+- ``dsa``: the indexer scores every cached key of the row (and the new ones), the exact top-k
+  is taken, and the absorbed attention reads only those latents.
 - ``kda``: the row's slot state is the initial state; prefill runs the chunked delta rule
-  (padding tokens neither decay nor write), decode the recurrent step; the state goes back.
+  (padding tokens neither decay nor write), decode the recurrent step; the new state is stored.
 
 Shape letters: B rows, T new tokens per row, M pages per row, P page size, S = M * P cached
 positions a row can see, D model dim, V vocab, W latent width, C kv latent dim, K top-k.
@@ -66,21 +66,27 @@ def _write_rows(rows: Rows, page_size: int, num_pages: int) -> jax.Array:
     return jnp.where(rows.valid(), flat, num_pages * page_size)
 
 
-def _write_and_read(pool: jax.Array, new: jax.Array, rows: Rows) -> tuple[jax.Array, jax.Array]:
-    """Writes ``new[B, T, W]`` into ``pool[G, P, W]``, then reads every row's pages.
+def _read(pool: jax.Array, new: jax.Array, rows: Rows) -> jax.Array:
+    """Every row's entries ``[B, S, W]`` (position ``s`` at index ``s``): its pages, with ``new[B, T, W]`` laid over.
 
-    Returns:
-      the updated pool and the row's cached entries ``[B, S, W]`` (position ``s`` at index ``s``).
+    The step only reads the pools; :func:`write` stores the new entries afterwards, in a program
+    of its own that updates the donated pools in place (a gather and a scatter on one pool in one
+    program made XLA copy the whole pool, every layer, every step).
     """
     G, P, W = pool.shape
-    flat = pool.reshape(G * P, W).at[_write_rows(rows, P, G)].set(new.astype(pool.dtype), mode="drop")
-    pool = flat.reshape(G, P, W)
     B, M = rows.pages.shape
-    return pool, pool[rows.pages].reshape(B, M * P, W)  # [B, M, P, W] -> [B, S, W]
+    seen = pool[rows.pages].reshape(B, M * P, W)  # [B, M, P, W] -> [B, S, W]
+    at = jnp.where(rows.valid(), rows.positions(), M * P)  # [B, T]; padding dropped
+    return seen.at[jnp.arange(B)[:, None], at].set(new.astype(pool.dtype), mode="drop")
 
 
-def _kv_positions(rows: Rows, seen: jax.Array) -> jax.Array:
+def _kv_positions(seen: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(seen.shape[1], dtype=jnp.int32), seen.shape[:2])  # [B, S]
+
+
+def _latent(attn, x: jax.Array, pos: jax.Array) -> jax.Array:
+    c_kv, k_rope = attn.latents(x, pos)
+    return jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [B, T, C + R]
 
 
 def mla_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -93,33 +99,33 @@ def mla_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array) -> tuple[jax.Array
       pool: ``[G, P, W]`` the layer's latent pages.
 
     Returns:
-      ``y[B, T, D]`` and the updated pool.
+      ``y[B, T, D]`` and the new tokens' latents ``[B, T, W]`` (for :func:`write`).
     """
     pos = rows.positions()
-    c_kv, k_rope = attn.latents(x, pos)
-    pool, seen = _write_and_read(pool, jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), rows)
-    C = c_kv.shape[-1]
-    y = attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(rows, seen))
-    return y, pool
+    new = _latent(attn, x, pos)
+    seen = _read(pool, new, rows)
+    C = attn.cfg.mla.kv_lora_rank
+    return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(seen)), new
 
 
 def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Array):
     """A ``dsa`` layer: indexer over every cached key of the row, exact top-k, sparse attention.
 
     Returns:
-      ``y[B, T, D]``, the updated latent pool ``[G, P, W]`` and indexer pool ``[G, P, I]``.
+      ``y[B, T, D]``, the new latents ``[B, T, W]`` and indexer keys ``[B, T, I]``.
     """
     pos = rows.positions()
     q_latent = attn.query_latent(x)
     with jax.named_scope("indexer"):
         q_index, w_index = attn.indexer.query_terms(x, q_latent, pos)
-        index_pool, keys = _write_and_read(index_pool, attn.indexer.keys(x, pos), rows)
-    c_kv, k_rope = attn.latents(x, pos)
-    pool, seen = _write_and_read(pool, jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), rows)
+        new_keys = attn.indexer.keys(x, pos)
+        keys = _read(index_pool, new_keys, rows)
+    new = _latent(attn, x, pos)
+    seen = _read(pool, new, rows)
+    kv_pos = _kv_positions(seen)
     if attn.dense_attention:
-        C = c_kv.shape[-1]
-        return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(rows, seen)), pool, index_pool
-    kv_pos = _kv_positions(rows, seen)
+        C = attn.cfg.mla.kv_lora_rank
+        return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], kv_pos), new, new_keys
     with jax.named_scope("indexer_topk"):
         scores = index_scores(q_index, w_index, keys, pos, kv_pos)  # [B, T, S]
         K = min(attn.cfg.indexer.topk, scores.shape[-1])
@@ -127,7 +133,7 @@ def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Ar
         valid = indices <= pos[:, :, None]
     q_nope, q_rope = attn.queries(x, pos, q_latent)
     y, _ = attn.attend_selected(q_nope, q_rope, seen, indices, valid)
-    return y, pool, index_pool
+    return y, new, new_keys
 
 
 def kda_rows(attn, x: jax.Array, rows: Rows, conv: jax.Array, state: jax.Array):
@@ -136,7 +142,7 @@ def kda_rows(attn, x: jax.Array, rows: Rows, conv: jax.Array, state: jax.Array):
     A row whose ``start`` is 0 begins from the zero state whatever its slot holds.
 
     Returns:
-      ``y[B, T, D]`` and the updated ``conv[Z, K-1, 3, N, H]`` and ``state[Z, N, H, V]`` pools.
+      ``y[B, T, D]`` and the rows' new ``conv[B, K-1, 3, N, H]`` and ``state[B, N, H, V]``.
     """
     fresh = (rows.start == 0)[:, None, None, None]
     conv0 = jnp.where(fresh[..., None], 0, conv.at[rows.slot].get(mode="fill", fill_value=0))
@@ -146,52 +152,75 @@ def kda_rows(attn, x: jax.Array, rows: Rows, conv: jax.Array, state: jax.Array):
         y, new = attn.step(x, initial)
     else:
         y, new = attn.forward_with_state(x, initial, lengths=rows.length)
-    conv = conv.at[rows.slot].set(new.conv.astype(conv.dtype), mode="drop")
-    state = state.at[rows.slot].set(new.recurrent, mode="drop")
-    return y, conv, state
+    return y, new.conv.astype(conv.dtype), new.recurrent
 
 
-def _attention(layer, i: int, spec: CacheSpec, x: jax.Array, rows: Rows, cache: dict) -> jax.Array:
-    """Runs layer ``i``'s attention on one group, updating ``cache`` (a dict of lists) in place."""
+def _attention(layer, i: int, spec: CacheSpec, x: jax.Array, rows: Rows, cache: dict, writes: dict) -> jax.Array:
+    """Layer ``i``'s attention on one group; what it must store goes to ``writes[pool][layer]``."""
     kind = layer.kind
     if kind == "kda":
         j = spec.kda_layers.index(i)
-        y, cache["conv"][j], cache["state"][j] = kda_rows(layer.attn, x, rows, cache["conv"][j], cache["state"][j])
+        y, conv, state = kda_rows(layer.attn, x, rows, cache["conv"][j], cache["state"][j])
+        writes["conv"][j].append(conv)
+        writes["state"][j].append(state)
         return y
     j = spec.latent_layers.index(i)
     if kind == "dsa":
         d = spec.index_layers.index(i)
-        y, cache["latent"][j], cache["index"][d] = dsa_rows(layer.attn, x, rows, cache["latent"][j], cache["index"][d])
-        return y
-    y, cache["latent"][j] = mla_rows(layer.attn, x, rows, cache["latent"][j])
+        y, new, keys = dsa_rows(layer.attn, x, rows, cache["latent"][j], cache["index"][d])
+        writes["index"][d].append(keys)
+    else:
+        y, new = mla_rows(layer.attn, x, rows, cache["latent"][j])
+    writes["latent"][j].append(new)
     return y
 
 
 def forward(model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...]) -> tuple[list[jax.Array], dict]:
-    """Every layer over the groups' new tokens, reading and writing the pools.
+    """Every layer over the groups' new tokens, reading the pools.
 
     Args:
       model: the :class:`jaxmoe.model.Transformer`.
       spec: the pools' :class:`CacheSpec`.
-      cache: the pools (as :meth:`CacheSpec.init` makes them).
+      cache: the pools (as :meth:`CacheSpec.init` makes them); not modified.
       groups: the step's groups (empty groups are left out by the caller).
 
     Returns:
-      per group the final-norm hidden states ``[B, T, D]``, and the updated pools.
+      per group the final-norm hidden states ``[B, T, D]``, and the writes for :func:`write`:
+      ``{pool: [per layer of the pool: [per group: new entries]]}``.
     """
-    cache = {k: list(v) for k, v in cache.items()}
+    writes = {k: [[] for _ in v] for k, v in cache.items()}
     xs = [model.embed_tokens(g.tokens) for g in groups]
     sizes = [x.shape[0] * x.shape[1] for x in xs]
     D = model.cfg.d_model
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer_{i}"):
-            xs = [x + _attention(layer, i, spec, layer.attn_norm(x), g, cache) for x, g in zip(xs, groups)]
+            xs = [x + _attention(layer, i, spec, layer.attn_norm(x), g, cache, writes) for x, g in zip(xs, groups)]
             # The FFN sees all of the step's tokens at once: [N, 1, D], N = sum of B * T.
             flat = jnp.concatenate([x.reshape(-1, 1, D) for x in xs], axis=0)
             flat = flat + layer.ffn(layer.ffn_norm(flat))
             parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist(), axis=0)
             xs = [p.reshape(x.shape) for p, x in zip(parts, xs)]
-    return [model.final_norm(x) for x in xs], cache
+    return [model.final_norm(x) for x in xs], writes
+
+
+def write(cache: dict, groups: tuple[Rows, ...], writes: dict) -> dict:
+    """Stores a step's new entries: latents and indexer keys into pages, KDA states into slots."""
+    out = {}
+    for kind in ("latent", "index"):
+        out[kind] = []
+        for pool, news in zip(cache[kind], writes[kind]):
+            G, P, W = pool.shape
+            flat = pool.reshape(G * P, W)
+            for rows, new in zip(groups, news):
+                flat = flat.at[_write_rows(rows, P, G)].set(new.astype(pool.dtype), mode="drop")
+            out[kind].append(flat.reshape(G, P, W))
+    for kind in ("conv", "state"):
+        out[kind] = []
+        for pool, news in zip(cache[kind], writes[kind]):
+            for rows, new in zip(groups, news):
+                pool = pool.at[rows.slot].set(new.astype(pool.dtype), mode="drop")
+            out[kind].append(pool)
+    return out
 
 
 def last_hidden(h: jax.Array, rows: Rows) -> jax.Array:

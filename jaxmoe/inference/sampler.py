@@ -63,13 +63,10 @@ def _filtered(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
     return jnp.full((V,), -jnp.inf, z.dtype).at[order].set(jnp.where(keep, ranked, -jnp.inf))
 
 
-def _one(logits: jax.Array, mask: jax.Array, temperature, top_p, top_k, seed, index):
-    logits = jnp.where(mask, logits, -jnp.inf)
-    greedy = jnp.argmax(logits).astype(jnp.int32)
+def _draw(logits: jax.Array, temperature, top_p, top_k, seed, index):
     key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
     sampled = jax.random.categorical(key, _filtered(logits, temperature, top_p, top_k)).astype(jnp.int32)
-    token = jnp.where(temperature > 0, sampled, greedy)
-    return token, jax.nn.log_softmax(logits)[token]
+    return jnp.where(temperature > 0, sampled, jnp.argmax(logits).astype(jnp.int32))
 
 
 def sample(logits: jax.Array, rows: RowSampling, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -83,5 +80,11 @@ def sample(logits: jax.Array, rows: RowSampling, mask: jax.Array | None = None) 
     Returns:
       ``tokens[B]`` int32 and their ``logprobs[B]`` float32 under the (masked) model distribution.
     """
-    mask = jnp.ones(logits.shape, bool) if mask is None else mask
-    return jax.vmap(_one)(logits, mask, rows.temperature, rows.top_p, rows.top_k, rows.seed, rows.index)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The sort behind top-p costs more than the rest of a small model's step: only when a row samples.
+    draw = lambda: jax.vmap(_draw)(logits, rows.temperature, rows.top_p, rows.top_k, rows.seed, rows.index)
+    tokens = jax.lax.cond(jnp.any(rows.temperature > 0), draw, greedy)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
