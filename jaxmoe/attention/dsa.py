@@ -134,14 +134,7 @@ class DSA(MLA):
         scores = self.indexer(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), positions)
         return self.indexer.select(scores, positions)
 
-    def sparse_attention(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        indices: jax.Array,
-        valid: jax.Array,
-        q_latent: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
+    def sparse_attention(self, x, positions, indices, valid, q_latent=None) -> tuple[jax.Array, jax.Array]:
         """Attention of each query to its selected keys only, in the absorbed form.
 
         Args:
