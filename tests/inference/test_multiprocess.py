@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-from jaxmoe import cli
 from jaxmoe.checkpoint.io import save_model
 from jaxmoe.config import load_config
 from jaxmoe.model import create_model
@@ -44,12 +43,16 @@ def test_two_processes_equal_one(checkpoint, tmp_path):
     ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     argv = ["generate", "--checkpoint", str(checkpoint), "--requests", str(tmp_path / "in.jsonl"), "--mesh", MESH]
-    assert cli.main(argv + ["--out", str(tmp_path / "one.jsonl"), "--no-progress"]) == 0
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    # Both runs in fresh processes: one x 8 devices, then two x 4.
+    one = [sys.executable, "-m", "jaxmoe", *argv, "--out", str(tmp_path / "one.jsonl"), "--no-progress"]
+    eight = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run(one, env=eight, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
 
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     two = [sys.executable, "-m", "jaxmoe", *argv, "--out", str(tmp_path / "two.jsonl"), "--no-progress"]
     two += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
     procs = [
