@@ -119,3 +119,12 @@ def randomize(model, seed):
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=g))
     model.eval()
+
+
+def random_model(family: str, seed: int = 1):
+    """The family's tiny model (eager attention, eval mode) with :func:`randomize`'d weights."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    model.config._attn_implementation = "eager"
+    randomize(model, seed=seed)
+    return model

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_models import FAMILIES, deepseek_v3, randomize
+from hf_models import FAMILIES, deepseek_v3, random_model
 
 from jaxmoe import cli
 
@@ -24,10 +24,7 @@ def _run(argv):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_match_hf(family, tmp_path):
-    torch.manual_seed(0)
-    model = FAMILIES[family]()
-    model.config._attn_implementation = "eager"
-    randomize(model, seed=1)
+    model = random_model(family)
     model.save_pretrained(tmp_path / "hf")
     assert json.loads((tmp_path / "hf/config.json").read_text())["model_type"] == family
 

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_models import FAMILIES, randomize
+from hf_models import FAMILIES, random_model
 
 from jaxmoe import cli
 
@@ -44,10 +44,7 @@ def _agreed_prefix(gaps):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_engine_greedy_equals_hf_generate(family, tmp_path):
-    torch.manual_seed(0)
-    model = FAMILIES[family]()
-    model.config._attn_implementation = "eager"
-    randomize(model, seed=1)
+    model = random_model(family)
     # No eos: both sides decode NEW_TOKENS tokens (HF would stop at its eos id, ours ignores it).
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
