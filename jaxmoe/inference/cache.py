@@ -96,7 +96,8 @@ class CacheSpec:
         probe = CacheSpec.for_model(cfg, num_pages=1, num_slots=num_slots, page_size=page_size)
         slots = num_slots * probe.bytes_per_slot
         per_page = probe.bytes_per_page
-        num_pages = (cache_bytes - slots) // per_page if per_page else 2
+        # Without mla/dsa layers a page holds no bytes: give every slot a full context's page table.
+        num_pages = (cache_bytes - slots) // per_page if per_page else num_slots * -(-cfg.max_context // page_size) + 1
         if num_pages < 2:
             raise ValueError(
                 f"cache budget {cache_bytes} bytes holds {num_slots} KDA slots ({slots} bytes) but not two pages of "

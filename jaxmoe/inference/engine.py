@@ -206,8 +206,17 @@ class Engine:
         )
 
     def generate(self, requests: Iterable[Request], progress: Callable[[int], None] | None = None) -> list[Completion]:
-        """Runs ``requests`` together to completion; results in input order."""
-        ids = [self.submit(r) for r in requests]
+        """Runs ``requests`` together to completion; results in input order.
+
+        Raises:
+          ValueError: ``request N: ...`` for the first request :meth:`submit` refuses.
+        """
+        ids = []
+        for i, r in enumerate(requests):
+            try:
+                ids.append(self.submit(r))
+            except ValueError as e:
+                raise ValueError(f"request {i + 1}: {e}") from e
         while self.has_work():
             done = self.step()
             if progress is not None and done:

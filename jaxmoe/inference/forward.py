@@ -116,16 +116,16 @@ def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Ar
     """
     pos = rows.positions()
     q_latent = attn.query_latent(x)
-    with jax.named_scope("indexer"):
-        q_index, w_index = attn.indexer.query_terms(x, q_latent, pos)
-        new_keys = attn.indexer.keys(x, pos)
-        keys = _read(index_pool, new_keys, rows)
+    new_keys = attn.indexer.keys(x, pos)  # stored in the dense warm-up too: the sparse stage reads them
     new = _latent(attn, x, pos)
     seen = _read(pool, new, rows)
     kv_pos = _kv_positions(seen)
     if attn.dense_attention:
         C = attn.cfg.mla.kv_lora_rank
         return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], kv_pos), new, new_keys
+    with jax.named_scope("indexer"):
+        q_index, w_index = attn.indexer.query_terms(x, q_latent, pos)
+        keys = _read(index_pool, new_keys, rows)
     with jax.named_scope("indexer_topk"):
         scores = index_scores(q_index, w_index, keys, pos, kv_pos)  # [B, T, S]
         K = min(attn.cfg.indexer.topk, scores.shape[-1])

@@ -94,11 +94,10 @@ def load_for_generation(
     return cfg, _with_config(model, cfg), tokenizer
 
 
-def _engine(model, tokenizer: BPETokenizer | None, config: EngineConfig | None) -> Engine:
+def _engine(model, tokenizer: BPETokenizer | None, config: EngineConfig | None, mesh=None) -> Engine:
     eos = tokenizer.eos_id if tokenizer is not None else None
-    return Engine(
-        model, config or EngineConfig(), eos_id=eos, detokenize=tokenizer.decode if tokenizer is not None else None
-    )
+    detokenize = tokenizer.decode if tokenizer is not None else None
+    return Engine(model, config or EngineConfig(), eos_id=eos, detokenize=detokenize, mesh=mesh)
 
 
 def generate(
@@ -214,18 +213,6 @@ def _read_requests(path: pathlib.Path, tokenizer: BPETokenizer | None) -> list[R
     return requests
 
 
-def _run_all(engine: Engine, requests: list[Request], progress: bool) -> list:
-    for i, r in enumerate(requests):
-        try:
-            engine.submit(r)
-        except ValueError as e:
-            raise RequestError(f"request {i + 1}: {e}") from e
-    with tqdm(total=len(requests), desc="generate", unit="req", disable=not progress) as bar:
-        while engine.has_work():
-            bar.update(len(engine.step()))
-    return [engine.completion(i) for i in range(len(requests))]
-
-
 def run_requests(
     checkpoint: str | pathlib.Path,
     requests_path: str | pathlib.Path,
@@ -243,18 +230,16 @@ def run_requests(
     """
     mesh_ = make_mesh(mesh) if mesh is not None and mesh.num_devices > 1 else None
     _, model, tokenizer = load_for_generation(checkpoint, mesh_)
-    engine = Engine(
-        model,
-        engine_config or EngineConfig(),
-        eos_id=tokenizer.eos_id if tokenizer is not None else None,
-        detokenize=tokenizer.decode if tokenizer is not None else None,
-        mesh=mesh_,
-    )
+    engine = _engine(model, tokenizer, engine_config, mesh_)
     if jax.process_index() != 0:
         engine.follow()
         return 0
     try:
-        completions = _run_all(engine, _read_requests(pathlib.Path(requests_path), tokenizer), progress)
+        requests = _read_requests(pathlib.Path(requests_path), tokenizer)
+        with tqdm(total=len(requests), desc="generate", unit="req", disable=not progress) as bar:
+            completions = engine.generate(requests, progress=bar.update)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
     finally:
         engine.stop_followers()
     with pathlib.Path(out_path).open("w") as f:

@@ -92,12 +92,10 @@ MESHES = {
 
 
 SHARDED = [("expert2_tensor4", False), ("data2_expert2_tensor2", True)]
-_CHILD = "JAXMOE_SHARDED_CHILD"
 
 
-@pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="runs in its own process (test_tiny_hybrid_sharded)")
-@pytest.mark.parametrize("mesh_name, mxfp4", SHARDED, ids=["float", "mxfp4"])
-def test_sharded_in_child(mesh_name, mxfp4):
+def check_sharded(mesh_name: str, mxfp4: bool) -> None:
+    """The tiny hybrid model through the engine on ``mesh_name`` equals the one-device full forward (1e-4)."""
     mesh = make_mesh(MESHES[mesh_name])
     cfg = _tiny(mxfp4)
     reference = create_model(cfg, seed=0)
@@ -111,13 +109,17 @@ def test_sharded_in_child(mesh_name, mxfp4):
         np.testing.assert_allclose(got[b], want[b], atol=1e-4, rtol=0)
 
 
-def test_tiny_hybrid_sharded():
-    """The sharded checks above, in a fresh process: late in the whole suite (hundreds of programs
+@pytest.mark.parametrize("mesh_name, mxfp4", SHARDED, ids=["float", "mxfp4"])
+def test_tiny_hybrid_sharded(mesh_name, mxfp4):
+    """:func:`check_sharded` in a fresh process: late in the whole suite (hundreds of programs
     compiled in one process) XLA:CPU once crashed compiling the first sharded step."""
-    env = {**os.environ, _CHILD: "1"}
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_sharded_in_child"]
-    done = subprocess.run(
-        argv, env=env, cwd=pathlib.Path(__file__).parents[2], capture_output=True, text=True, timeout=1200
+    here = pathlib.Path(__file__).parent
+    code = (
+        "import conftest, sys; sys.path.insert(0, sys.argv[1]); import test_forward; "
+        "test_forward.check_sharded(sys.argv[2], sys.argv[3] == 'True'); print('sharded check passed')"
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout, done.stdout[-2000:]
+    argv = [sys.executable, "-c", code, str(here), mesh_name, str(mxfp4)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
+    done = subprocess.run(argv, env=env, cwd=here.parents[1], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "sharded check passed" in done.stdout
