@@ -1,0 +1,1 @@
+"""Chat: the tokenizer, the native chat format, prompt rendering, output parsing, constrained decoding."""
