@@ -1,12 +1,13 @@
 """Token streams for training and evaluation, and the packed, resumable batch iterator.
 
 ``build_token_data`` turns the corpus into two 1-D int32 token streams (train and held-out; the
-documents of a split joined with eos between them) and the tokenizer trained on the train split,
-cached on disk. ``PackedBatches`` cuts a stream into windows of ``seq_len + 1`` tokens, taken with
-stride ``seq_len`` (window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; neighbours share
-one token, so every token after the first is a target exactly once per epoch), and serves them in a
-fresh permutation each epoch. ``heldout_batches`` gives fixed evaluation batches of the same windows
-in order.
+documents of a split joined with eos between them) and the tokenizer trained on the train split
+(:class:`jaxmoe.chat.tokenizer.Tokenizer`: HF tokenizers' byte-level BPE with the native chat
+format's special tokens), cached on disk. ``PackedBatches`` cuts a stream into windows of
+``seq_len + 1`` tokens, taken with stride ``seq_len`` (window ``i`` is
+``tokens[i*seq_len : i*seq_len + seq_len + 1]``; neighbours share one token, so every token after
+the first is a target exactly once per epoch), and serves them in a fresh permutation each epoch.
+``heldout_batches`` gives fixed evaluation batches of the same windows in order.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxmoe.chat.format import NATIVE_SPECIAL_TOKENS
+from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.data.corpus import CORPUS_SOURCE, Document, python_stdlib_documents, split_documents
-from jaxmoe.data.tokenizer import BPETokenizer
 
-_CACHE_FORMAT = 1  # bump when the tokenizer, corpus rules or stream layout change
+_CACHE_FORMAT = 2  # bump when the tokenizer, corpus rules or stream layout change (2: HF tokenizers)
+MIN_VOCAB = 256 + len(NATIVE_SPECIAL_TOKENS)  # the 256 bytes and the special tokens
 
 
 @dataclasses.dataclass
@@ -41,17 +44,18 @@ class TokenData:
 
     train: np.ndarray
     heldout: np.ndarray
-    tokenizer: BPETokenizer
+    tokenizer: Tokenizer
     source: str
 
 
-def _token_stream(tokenizer: BPETokenizer, docs: list[Document]) -> np.ndarray:
-    ids: list[int] = []
-    for i, doc in enumerate(docs):
+def _token_stream(tokenizer: Tokenizer, docs: list[Document]) -> np.ndarray:
+    eos = np.asarray([tokenizer.eos_id], np.int32)
+    parts: list[np.ndarray] = []
+    for i, ids in enumerate(tokenizer.encode_batch([d.text for d in docs])):
         if i:
-            ids.append(tokenizer.eos_id)
-        ids.extend(tokenizer.encode(doc.text))
-    return np.asarray(ids, dtype=np.int32)
+            parts.append(eos)
+        parts.append(np.asarray(ids, np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
 def _cache_key(params: dict, docs: list[Document]) -> str:
@@ -70,7 +74,7 @@ def _load_cached(path: pathlib.Path) -> TokenData:
         if arr.dtype != np.int32 or arr.ndim != 1:
             raise ValueError(f"{path / name}.npy: expected a 1-D int32 array, got {arr.dtype} {arr.shape}")
         streams[name] = arr
-    return TokenData(tokenizer=BPETokenizer.load(path / "tokenizer.json"), source=meta["source"], **streams)
+    return TokenData(tokenizer=Tokenizer.load(path), source=meta["source"], **streams)
 
 
 def build_token_data(
@@ -78,14 +82,14 @@ def build_token_data(
 ) -> TokenData:
     """Corpus -> train/held-out split -> tokenizer trained on train -> both splits encoded; cached.
 
-    The result is stored under ``cache_dir/<key>/`` (``tokenizer.json``, ``train.npy``, ``heldout.npy``,
-    ``meta.json``), ``key`` hashing the arguments and the selected files' names and contents. It is
-    written to a temporary directory and renamed into place, so a present entry is always complete
-    and concurrent builders (several hosts, say) cannot leave a half-written one; a present entry is
-    loaded instead of rebuilt.
+    The result is stored under ``cache_dir/<key>/`` (``tokenizer.json``, ``tokenizer_config.json``,
+    ``train.npy``, ``heldout.npy``, ``meta.json``), ``key`` hashing the arguments and the selected
+    files' names and contents. It is written to a temporary directory and renamed into place, so a
+    present entry is always complete and concurrent builders (several hosts, say) cannot leave a
+    half-written one; a present entry is loaded instead of rebuilt.
 
     Args:
-        vocab_size: tokenizer vocabulary (>= 257).
+        vocab_size: tokenizer vocabulary (>= 267: 256 bytes + 11 special tokens).
         max_bytes: cap on the corpus text taken (see :func:`python_stdlib_documents`).
         heldout_fraction: fraction of documents held out, in (0, 1).
         cache_dir: where cached entries live (created if missing).
@@ -93,8 +97,11 @@ def build_token_data(
     Returns:
         The token streams, tokenizer and a description of the source.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
-        raise ValueError(f"vocab_size must be an int >= 257 (256 bytes + eos), got {vocab_size!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+        raise ValueError(
+            f"vocab_size must be an int >= {MIN_VOCAB} (256 bytes + {len(NATIVE_SPECIAL_TOKENS)} special tokens), "
+            f"got {vocab_size!r}"
+        )
     docs = python_stdlib_documents(max_bytes)
     train_docs, heldout_docs = split_documents(docs, heldout_fraction)
     params = {"vocab_size": vocab_size, "max_bytes": max_bytes, "heldout_fraction": float(heldout_fraction)}
@@ -103,7 +110,7 @@ def build_token_data(
     if final.is_dir():
         return _load_cached(final)
 
-    tokenizer = BPETokenizer.train((d.text for d in train_docs), vocab_size)
+    tokenizer = Tokenizer.train((d.text for d in train_docs), vocab_size)
     n_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
     source = (
         f"{CORPUS_SOURCE} Selected: the first {len(docs)} files by name ({n_bytes} bytes, max_bytes={max_bytes}); "
@@ -119,7 +126,7 @@ def build_token_data(
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
     try:
-        tokenizer.save(tmp / "tokenizer.json")
+        tokenizer.save(tmp)
         np.save(tmp / "train.npy", data.train)
         np.save(tmp / "heldout.npy", data.heldout)
         meta = {"source": source, **params, "heldout_documents": [d.name for d in heldout_docs]}

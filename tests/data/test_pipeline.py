@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
+from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.data import (
-    BPETokenizer,
     PackedBatches,
     build_token_data,
     heldout_batches,
@@ -39,19 +39,25 @@ def test_streams_are_the_split_documents_joined_by_eos(data):
         assert texts == [d.text for d in docs]
     # The held-out stream holds held-out documents only, and the tokenizer saw only train documents.
     assert {d.name for d in train_docs}.isdisjoint(d.name for d in heldout_docs)
-    assert data.tokenizer == BPETokenizer.train([d.text for d in train_docs], ARGS["vocab_size"])
+    assert data.tokenizer == Tokenizer.train([d.text for d in train_docs], ARGS["vocab_size"])
     assert "PSF License Agreement version 2" in data.source and f"{len(heldout_docs)} held out" in data.source
 
 
 def test_cache_is_reused_without_retraining(data, cache_dir, monkeypatch):
     (entry,) = [p for p in cache_dir.iterdir()]  # one complete entry, no temporary leftovers
-    assert sorted(os.listdir(entry)) == ["heldout.npy", "meta.json", "tokenizer.json", "train.npy"]
+    assert sorted(os.listdir(entry)) == [
+        "heldout.npy",
+        "meta.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train.npy",
+    ]
     mtimes = {name: os.stat(entry / name).st_mtime_ns for name in os.listdir(entry)}
 
     def no_training(*args, **kwargs):
         raise AssertionError("the tokenizer was retrained")
 
-    monkeypatch.setattr(BPETokenizer, "train", classmethod(no_training))
+    monkeypatch.setattr(Tokenizer, "train", classmethod(no_training))
     again = build_token_data(**ARGS, cache_dir=cache_dir)
     np.testing.assert_array_equal(again.train, data.train)
     np.testing.assert_array_equal(again.heldout, data.heldout)
@@ -66,8 +72,9 @@ def test_cache_is_reused_without_retraining(data, cache_dir, monkeypatch):
 
 
 def test_bad_build_arguments(tmp_path):
-    with pytest.raises(ValueError, match="vocab_size"):
-        build_token_data(**{**ARGS, "vocab_size": 100}, cache_dir=tmp_path)
+    for bad in (100, 266):
+        with pytest.raises(ValueError, match="vocab_size must be an int >= 267"):
+            build_token_data(**{**ARGS, "vocab_size": bad}, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="heldout_fraction"):
         build_token_data(**{**ARGS, "heldout_fraction": 1.0}, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="max_bytes"):
