@@ -291,8 +291,29 @@ class Engine:
             if rows:
                 groups.append(self._group(rows, is_decode))
                 order += [s for s, _ in rows] + [None] * (groups[-1].tokens.shape[0] - len(rows))
-        sampling = _sampling(order)
+        sampling = _sampling(order, self._masks(plan, order))
         return tuple(groups), sampling, order
+
+    def _masks(self, plan: Plan, order: list) -> np.ndarray | None:
+        """``[B, V]`` allowed tokens of the rows that sample in this step, if any row is constrained."""
+        sizes = {id(s): n for s, n in plan.rows}
+        masks = {}
+        for b, seq in enumerate(order):
+            if seq is not None and seq.request.constraint is not None and seq.pending == sizes[id(seq)]:
+                allowed = seq.request.constraint.allowed()
+                if allowed is not None:
+                    if allowed.shape != (self.cfg.vocab_size,) or not allowed.any():
+                        raise ValueError(
+                            f"request {seq.id}: its constraint allowed {int(allowed.sum())} tokens of a "
+                            f"{allowed.shape} mask; need a non-empty bool [{self.cfg.vocab_size}] mask"
+                        )
+                    masks[b] = allowed
+        if not masks:
+            return None
+        mask = np.ones((len(order), self.cfg.vocab_size), bool)
+        for b, allowed in masks.items():
+            mask[b] = allowed
+        return mask
 
     def _group(self, rows: list[tuple[Sequence, int]], is_decode: bool) -> Rows:
         B = _bucket(len(rows))
@@ -328,6 +349,8 @@ class Engine:
             seq.tokens.append(token)
             seq.output.append(token)
             seq.logprobs.append(float(logprobs[i]))
+            if seq.request.constraint is not None:
+                seq.request.constraint.accept(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._set_text(seq)
@@ -337,7 +360,7 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         r = seq.request
-        if token == self.eos_id and not r.ignore_eos:
+        if (token == self.eos_id and not r.ignore_eos) or token in r.stop_ids:
             return "stop"
         if r.stop and any(s in self._text(seq) for s in r.stop):
             return "stop"
@@ -346,7 +369,8 @@ class Engine:
         return None
 
     def _text(self, seq: Sequence) -> str:
-        ids = seq.output[:-1] if seq.output and seq.output[-1] == self.eos_id else seq.output
+        ended = seq.output and (seq.output[-1] == self.eos_id or seq.output[-1] in seq.request.stop_ids)
+        ids = seq.output[:-1] if ended else seq.output
         return self.detokenize(ids)
 
     def _set_text(self, seq: Sequence) -> None:
@@ -381,7 +405,7 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0)) if jax.process_count() > 1 else np.asarray(x)
 
 
-def _sampling(order: list) -> RowSampling:
+def _sampling(order: list, mask: np.ndarray | None = None) -> RowSampling:
     B = len(order)
     temperature = np.zeros((B,), np.float32)
     top_p = np.ones((B,), np.float32)
@@ -394,4 +418,4 @@ def _sampling(order: list) -> RowSampling:
         p = seq.request.sampling
         temperature[b], top_p[b], top_k[b], seed[b] = p.temperature, p.top_p, p.top_k, p.seed
         index[b] = len(seq.output)
-    return RowSampling(temperature, top_p, top_k, seed, index)
+    return RowSampling(temperature, top_p, top_k, seed, index, mask)

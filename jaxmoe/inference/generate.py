@@ -1,9 +1,10 @@
 """``jaxmoe generate``: text or request files through the inference engine.
 
-``--checkpoint`` may be a training workdir (its newest checkpoint and ``tokenizer.json``), a
+``--checkpoint`` may be a training workdir (its newest checkpoint and its tokenizer), a
 training checkpoint root (``workdir/checkpoints``), or a model checkpoint such as the MXFP4
-export or an HF conversion (``config.json`` + ``params/``; a tokenizer beside it or in its parent
-directory if it has one). Each may be local or in a bucket (``gs://B/P``), read where it lies.
+export or an HF conversion (``config.json`` + ``params/``; a tokenizer folder's files,
+``tokenizer.json`` and ``tokenizer_config.json``, beside it or in its parent directory if it has
+one). Each may be local or in a bucket (``gs://B/P``), read where it lies.
 
 ``--requests IN.jsonl --out OUT.jsonl`` runs every request of the file together through one
 engine. An input line is ``{"prompt_ids": [...]}`` or ``{"prompt": "text"}`` (text needs a
@@ -23,9 +24,9 @@ import jax
 from flax import nnx
 from tqdm import tqdm
 
+from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.checkpoint.io import CONFIG_FILE, load_model
 from jaxmoe.config import Config, MeshConfig
-from jaxmoe.data.tokenizer import BPETokenizer
 from jaxmoe.errors import CheckpointError
 from jaxmoe.inference.engine import Engine, EngineConfig, place
 from jaxmoe.inference.sampler import SamplingParams
@@ -52,13 +53,16 @@ def _with_config(model: nnx.Module, cfg: Config) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
-def _tokenizer(path, cfg: Config) -> BPETokenizer | None:
+def _tokenizer(path, cfg: Config) -> Tokenizer | None:
     for where in (path, path.parent):
         if (where / TOKENIZER_FILE).is_file():
-            tokenizer = BPETokenizer.load(where / TOKENIZER_FILE)
+            try:
+                tokenizer = Tokenizer.load(where)
+            except ValueError as e:
+                raise CheckpointError(f"the checkpoint's tokenizer cannot be read: {e}") from e
             if tokenizer.vocab_size > cfg.model.vocab_size:
                 raise CheckpointError(
-                    f"{TOKENIZER_FILE} has {tokenizer.vocab_size} tokens, the model's vocab_size is "
+                    f"{where / TOKENIZER_FILE} has {tokenizer.vocab_size} tokens, the model's vocab_size is "
                     f"{cfg.model.vocab_size}"
                 )
             return tokenizer
@@ -67,7 +71,7 @@ def _tokenizer(path, cfg: Config) -> BPETokenizer | None:
 
 def load_for_generation(
     path: str | pathlib.Path, mesh: jax.sharding.Mesh | None = None
-) -> tuple[Config, nnx.Module, BPETokenizer | None]:
+) -> tuple[Config, nnx.Module, Tokenizer | None]:
     """``(config, model, tokenizer or None)`` from a workdir, checkpoint root or model checkpoint.
 
     The weights land on this process's first device, or sharded over ``mesh`` by the rules (a
@@ -94,7 +98,7 @@ def load_for_generation(
     return cfg, _with_config(model, cfg), tokenizer
 
 
-def _engine(model, tokenizer: BPETokenizer | None, config: EngineConfig | None, mesh=None) -> Engine:
+def _engine(model, tokenizer: Tokenizer | None, config: EngineConfig | None, mesh=None) -> Engine:
     eos = tokenizer.eos_id if tokenizer is not None else None
     detokenize = tokenizer.decode if tokenizer is not None else None
     return Engine(model, config or EngineConfig(), eos_id=eos, detokenize=detokenize, mesh=mesh)
@@ -134,7 +138,7 @@ class RequestError(ValueError):
     """A request line holds a field that is not allowed; the message names the line and field."""
 
 
-def parse_request(line: dict, tokenizer: BPETokenizer | None, where: str) -> Request:
+def parse_request(line: dict, tokenizer: Tokenizer | None, where: str) -> Request:
     """One ``--requests`` line to a :class:`Request`, refusing unknown or ill-typed fields."""
     if not isinstance(line, dict):
         raise RequestError(f"{where}: a request is a JSON object, got {type(line).__name__}")
@@ -199,7 +203,7 @@ def parse_mesh(text: str) -> MeshConfig:
     return mesh
 
 
-def _read_requests(path: pathlib.Path, tokenizer: BPETokenizer | None) -> list[Request]:
+def _read_requests(path: pathlib.Path, tokenizer: Tokenizer | None) -> list[Request]:
     requests = []
     for n, text in enumerate(path.read_text().splitlines(), 1):
         if not text.strip():

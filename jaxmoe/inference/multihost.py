@@ -20,7 +20,7 @@ from jaxmoe.inference.forward import Rows
 from jaxmoe.inference.sampler import RowSampling
 
 _MAX_GROUPS = 2
-_HEADER = 6 + 3 * _MAX_GROUPS  # flag, 4 maintenance sizes, group count, (B, T, M) per group
+_HEADER = 7 + 3 * _MAX_GROUPS  # flag, 4 maintenance sizes, group count, (B, T, M) per group, mask V
 
 
 class Work(NamedTuple):
@@ -42,6 +42,8 @@ def _header(work: Work | None) -> np.ndarray:
     h[5] = len(work.groups)
     for g, rows in enumerate(work.groups):
         h[6 + 3 * g : 9 + 3 * g] = [*rows.tokens.shape, rows.pages.shape[1]]
+    if work.sampling is not None and work.sampling.mask is not None:
+        h[-1] = work.sampling.mask.shape[1]
     return h
 
 
@@ -60,7 +62,8 @@ def _placeholder(h: np.ndarray) -> Work:
     sampling = None
     if groups:
         f = np.float32
-        sampling = RowSampling(z(n, dtype=f), z(n, dtype=f), z(n), z(n, dtype=np.uint32), z(n))
+        mask = z(n, int(h[-1]), dtype=bool) if h[-1] else None
+        sampling = RowSampling(z(n, dtype=f), z(n, dtype=f), z(n), z(n, dtype=np.uint32), z(n), mask)
     return Work(maintenance, tuple(groups), sampling)
 
 

@@ -47,6 +47,7 @@ class RowSampling(NamedTuple):
     top_k: jax.Array  # [B] int32
     seed: jax.Array  # [B] uint32
     index: jax.Array  # [B] int32: how many tokens the request has generated so far
+    mask: jax.Array | None = None  # [B, V] bool: tokens allowed (constrained rows); None: all
 
 
 def _filtered(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
@@ -69,19 +70,19 @@ def _draw(logits: jax.Array, temperature, top_p, top_k, seed, index):
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits).astype(jnp.int32))
 
 
-def sample(logits: jax.Array, rows: RowSampling, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, rows: RowSampling) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row.
 
     Args:
       logits: ``[B, V]`` float32.
-      rows: the rows' :class:`RowSampling`.
-      mask: optional ``[B, V]`` bool, True where a token is allowed.
+      rows: the rows' :class:`RowSampling` (``rows.mask``: optional ``[B, V]`` bool, True where a
+        token is allowed).
 
     Returns:
       ``tokens[B]`` int32 and their ``logprobs[B]`` float32 under the (masked) model distribution.
     """
-    if mask is not None:
-        logits = jnp.where(mask, logits, -jnp.inf)
+    if rows.mask is not None:
+        logits = jnp.where(rows.mask, logits, -jnp.inf)
     greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # The sort behind top-p costs more than the rest of a small model's step: only when a row samples.
     draw = lambda: jax.vmap(_draw)(logits, rows.temperature, rows.top_p, rows.top_k, rows.seed, rows.index)

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from jaxmoe.inference.allocator import PagePool, SlotPool, pages_for
+from jaxmoe.inference.constraint import Constraint
 from jaxmoe.inference.prefix import PrefixCache, PrefixEntry
 from jaxmoe.inference.sampler import SamplingParams
 
@@ -35,6 +36,9 @@ class Request:
       stop: strings that end the output (needs the engine's detokenizer).
       ignore_eos: keep going past the eos token.
       tenant: prefix reuse scope (the API key's identity); None: no prefix reuse.
+      stop_ids: more token ids that end the output (a chat format's end of turn); kept in the output.
+      constraint: restricts which tokens may be sampled (see :mod:`jaxmoe.inference.constraint`).
+      priority: lower runs its prompt chunks first (a latency tier ahead of a deep one).
     """
 
     prompt_ids: tuple[int, ...]
@@ -43,6 +47,9 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     tenant: str | None = None
+    stop_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = dataclasses.field(default=None, compare=False)
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -194,7 +201,7 @@ class Scheduler:
         rows: list[tuple[Sequence, int]] = []
         budget = self.step_tokens
         decoding = [s for s in self.running if s.pending == 1]
-        prefilling = [s for s in self.running if s.pending > 1]
+        prefilling = sorted((s for s in self.running if s.pending > 1), key=lambda s: s.request.priority)
         for seq in decoding + prefilling:
             if seq not in self.running or budget <= 0:
                 continue

@@ -189,6 +189,61 @@ def test_eos_stop_strings_and_ignore_eos(model, prompts):
     assert by_string.text == detok(greedy[:2])
 
 
+class _Allow:
+    """A constraint that allows a different random set of tokens at each position, and records."""
+
+    def __init__(self, seed):
+        self.rng, self.seen, self.masks = np.random.default_rng(seed), [], []
+
+    def allowed(self):
+        mask = self.rng.random(VOCAB) < 0.05
+        mask[self.rng.integers(VOCAB)] = True
+        self.masks.append(mask)
+        return mask
+
+    def accept(self, token):
+        self.seen.append(token)
+
+
+def _masked_greedy(model, prompt, masks):
+    """Reference: argmax over each position's allowed tokens of the whole forward."""
+    fwd = jax.jit(lambda t: model(t))
+    toks, logprobs = list(prompt), []
+    for mask in masks:
+        buf = np.zeros((1, 64), np.int32)
+        buf[0, : len(toks)] = toks
+        row = np.where(mask, np.asarray(fwd(buf))[0, len(toks) - 1], -np.inf)
+        toks.append(int(np.argmax(row)))
+        logprobs.append(float(jax.nn.log_softmax(jnp.asarray(row))[toks[-1]]))
+    return toks[len(prompt) :], logprobs
+
+
+def test_constraint_masks_each_sampled_token_and_sees_every_one(model, prompts):
+    """Constrained and free rows in one batch (some preempted): each constrained row's tokens are the
+    argmax over its masks, the constraint is asked once per sampled token and told each token."""
+    constraints = [_Allow(i) if i % 2 == 0 else None for i in range(len(prompts))]
+    requests = [Request(p, max_tokens=6, constraint=c) for p, c in zip(prompts, constraints)]
+    engine = small_engine(model, cache_bytes=_bytes_for_pages(model, 9, 8), page_size=8)
+    outs = engine.generate(requests)
+    assert engine.scheduler.preemptions > 0
+    for p, c, o in zip(prompts, constraints, outs):
+        if c is None:
+            assert o.output_ids == _full_forward_greedy(model, p, 6)[0]
+            continue
+        assert len(c.masks) == 6 and c.seen == o.output_ids
+        ids, logprobs = _masked_greedy(model, p, c.masks)
+        assert o.output_ids == ids
+        np.testing.assert_allclose(o.logprobs, logprobs, atol=1e-4)
+
+
+def test_stop_ids_end_the_output(model, prompts):
+    greedy = small_engine(model).generate([Request(prompts[1], max_tokens=8)])[0].output_ids
+    out = small_engine(model, detokenize=str).generate([Request(prompts[1], max_tokens=8, stop_ids=(greedy[4],))])[0]
+    first = greedy.index(greedy[4])
+    assert out.output_ids == greedy[: first + 1] and out.finish_reason == "stop"
+    assert out.text == str(greedy[:first])
+
+
 def test_step_compiles_for_buckets_not_requests(model):
     rng = np.random.default_rng(3)
     lengths = range(20, 36)  # 16 prompt lengths
