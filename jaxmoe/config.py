@@ -14,6 +14,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from jaxmoe.chat.format import NATIVE_SPECIAL_TOKENS
 from jaxmoe.rules import MESH_AXES, RULES, mesh_axes
 
 ATTENTION_KINDS = ("mla", "dsa", "kda")
@@ -542,7 +543,8 @@ def _validate_train(cfg: Config) -> None:
     )
 
 
-TOKENIZER_MIN_VOCAB = 257  # jaxmoe.data's byte-level BPE: 256 bytes + eos, then one id per merge
+# The locally trained byte-level BPE (jaxmoe.chat.tokenizer): the special tokens, 256 bytes, then one id per merge.
+TOKENIZER_MIN_VOCAB = 256 + len(NATIVE_SPECIAL_TOKENS)
 
 
 def validate_training(cfg: Config) -> None:
@@ -579,7 +581,8 @@ def validate_training(cfg: Config) -> None:
     _require(
         m.vocab_size >= TOKENIZER_MIN_VOCAB,
         "model.vocab_size",
-        f"{m.vocab_size} is below the tokenizer's minimum {TOKENIZER_MIN_VOCAB} (256 bytes + eos)",
+        f"{m.vocab_size} is below the tokenizer's minimum {TOKENIZER_MIN_VOCAB} "
+        f"(256 bytes + {len(NATIVE_SPECIAL_TOKENS)} special tokens)",
     )
     _require(
         not m.mxfp4_weights,

@@ -230,14 +230,16 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """The text of ``ids``; bytes that are not valid UTF-8 become U+FFFD.
 
+        Ids at or above ``vocab_size`` have no text (a model's vocabulary is often padded past its
+        tokenizer's, and an unconstrained sampler can pick a padding row): they decode to nothing.
+
         Raises:
-            ValueError: if an id is outside ``[0, vocab_size)``.
+            ValueError: if an id is negative.
         """
         ids = [int(i) for i in ids]
-        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"decode: token id {bad} is out of range: ids must be in [0, {self.vocab_size})")
-        return self.hf.decode(ids, skip_special_tokens=skip_special)
+        if any(i < 0 for i in ids):
+            raise ValueError(f"decode: token id {min(ids)} is negative: ids must be >= 0")
+        return self.hf.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=skip_special)
 
     def token_id(self, token: str) -> int | None:
         """The id of the token string ``token`` (e.g. a special token), None if it has none."""
@@ -265,6 +267,32 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_token={self.eos_token!r})"
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copies the :data:`TOKENIZER_FILES` present in ``src`` into the folder ``dst`` (created if missing).
+
+    Args:
+        src: a tokenizer folder, or its ``tokenizer.json`` (the files beside it are copied too; a
+            file of another name is copied alone, as ``tokenizer.json``).
+        dst: the destination folder (local or a bucket).
+
+    Returns:
+        The names of the files copied.
+    """
+    src, dst = resolve(src), resolve(dst)
+    if src.is_dir():
+        pairs = [(src / name, name) for name in TOKENIZER_FILES]
+    elif src.name == TOKENIZER_FILE:
+        pairs = [(src.parent / name, name) for name in TOKENIZER_FILES]
+    else:
+        pairs = [(src, TOKENIZER_FILE)]
+    pairs = [(file, name) for file, name in pairs if file.is_file()]
+    if pairs:
+        dst.mkdir(parents=True, exist_ok=True)
+    for file, name in pairs:
+        (dst / name).write_bytes(file.read_bytes())
+    return [name for _, name in pairs]
 
 
 def _rebuild(hf_json, eos_token, bos_token, chat_template, stop_ids) -> Tokenizer:
@@ -326,8 +354,10 @@ def _chat_template(folder: Path, config: dict) -> str | None:
 __all__ = [
     "CHAT_TEMPLATE_FILE",
     "GENERATION_CONFIG_FILE",
+    "SPECIAL_TOKENS_MAP_FILE",
     "TOKENIZER_CONFIG_FILE",
     "TOKENIZER_FILE",
     "TOKENIZER_FILES",
     "Tokenizer",
+    "copy_tokenizer_files",
 ]

@@ -2,7 +2,8 @@
 and the MXFP4 export of the final params.
 
 The export is a model checkpoint (:mod:`jaxmoe.checkpoint.io`: ``config.json``, ``checksums.json``,
-``params/``) with the routed experts packed in MXFP4, plus the tokenizer, so ``jaxmoe generate``
+``params/``) with the routed experts packed in MXFP4, plus the tokenizer files (``tokenizer.json``,
+``tokenizer_config.json``), so ``jaxmoe generate``
 and ``jaxmoe logits`` read it alone. That writer is single-process, so a multi-process run exports
 from process 0 through a child process on the CPU backend that restores the final training
 checkpoint (``python -m jaxmoe.train.checkpoints ROOT STEP DST [TOKENIZER]``); the other processes
@@ -24,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxmoe.chat.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, from_config_dict, validate
 from jaxmoe.errors import CheckpointError
@@ -31,7 +33,6 @@ from jaxmoe.model import abstract_model
 from jaxmoe.paths import Path, is_uri, resolve, upload_tree
 
 CHECKPOINT_DIR = "checkpoints"
-TOKENIZER_FILE = "tokenizer.json"
 EXPORT_DIR = "export_mxfp4"
 
 
@@ -98,8 +99,10 @@ def export_config(cfg: Config) -> tuple[Config | None, str]:
 def write_export(state: dict, cfg: Config, dst: str | Path, tokenizer_file: str | Path | None) -> str:
     """Quantizes the float model state ``state`` (host arrays) and writes the export to ``dst``; returns a note.
 
-    A bucket ``dst`` is written locally first and copied up, its ``config.json`` last: an export
-    with a config is complete (see :func:`export_done`).
+    ``tokenizer_file`` is a ``tokenizer.json`` (the tokenizer files beside it, such as
+    ``tokenizer_config.json``, are copied with it) or a tokenizer folder; None: no tokenizer. A
+    bucket ``dst`` is written locally first and copied up, its ``config.json`` last: an export with
+    a config is complete (see :func:`export_done`).
     """
     from jaxmoe.checkpoint.io import CONFIG_FILE, write_checkpoint  # noqa: PLC0415
     from jaxmoe.quant.qarray import quantize_state  # noqa: PLC0415
@@ -121,7 +124,8 @@ def write_export(state: dict, cfg: Config, dst: str | Path, tokenizer_file: str 
     arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp), v) for kp, v in leaves)
     write_checkpoint(dst, out_cfg, arrays)
     if tokenizer_file is not None:
-        (dst / TOKENIZER_FILE).write_bytes(resolve(tokenizer_file).read_bytes())
+        if not copy_tokenizer_files(tokenizer_file, dst):
+            raise CheckpointError(f"tokenizer {str(tokenizer_file)!r}: no {TOKENIZER_FILE} there to export")
     return note
 
 

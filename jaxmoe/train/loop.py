@@ -11,7 +11,8 @@ step is the same compiled program on the same values.
     checkpoints/<step>/   Orbax: params (model state, router bias included), opt_state, data_state, config
     metrics.jsonl         one JSON record per logged step (process 0)
     tensorboard/          event files (process 0)
-    tokenizer.json        the BPE tokenizer (``jaxmoe generate`` needs it)
+    tokenizer.json        the tokenizer (HF tokenizers' byte-level BPE; ``jaxmoe generate`` needs it)
+    tokenizer_config.json its eos token (with tokenizer.json, a folder HF's AutoTokenizer reads)
     export_mxfp4/         the final params, routed experts in MXFP4 (a model checkpoint, jaxmoe.checkpoint.io)
 """
 
@@ -343,7 +344,7 @@ def train(
         workdir.mkdir(parents=True, exist_ok=True)
     data, batches, heldout = _data(cfg, workdir)
     if is_main:
-        data.tokenizer.save(workdir / TOKENIZER_FILE)
+        data.tokenizer.save(workdir)  # tokenizer.json + tokenizer_config.json
         log(f"data: {len(data.train)} train / {len(data.heldout)} held-out tokens; {data.source}")
 
     # Before the mesh is set: the measurement runs on this process's devices only.

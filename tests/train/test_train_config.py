@@ -131,7 +131,7 @@ MESH_DEPENDENT = {
         ),
         ["seq_len", "model.kda.conv_kernel"],
     ),
-    "vocab below the tokenizer's": ((("model.vocab_size", "256"),), ["model.vocab_size", "257"]),
+    "vocab below the tokenizer's": ((("model.vocab_size", "266"),), ["model.vocab_size", "267", "11 special tokens"]),
     "seq_len over max_context": ((("seq_len", "8192"),), ["seq_len", "model.max_context=4096"]),
     "mxfp4 weights during training": (
         (("model.mxfp4_weights", "w_gate"), ("mesh.data", "4"), ("mesh.context", "1")),
