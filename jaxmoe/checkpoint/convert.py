@@ -18,10 +18,16 @@ gpt-oss-style as ``<name>_blocks`` uint8 ``[out, in/32, 16]`` and ``<name>_scale
 ``[out, in/32]`` next to where ``<name>`` (e.g. ``...experts.3.gate_proj.weight``; the form
 without ``.weight`` is accepted too) would be, are stacked and passed through unchanged when the
 output is MXFP4, and dequantized (exactly) otherwise.
+
+An HF conversion also copies the source's tokenizer files (:data:`jaxmoe.chat.tokenizer.TOKENIZER_FILES`
+that exist) into the new checkpoint, so ``jaxmoe generate`` and the server find the tokenizer there,
+and keeps the source's ``eos_token_id`` (``generation_config.json``'s, else ``config.json``'s, written
+as a ``generation_config.json``) for :meth:`jaxmoe.chat.tokenizer.Tokenizer.load` to read.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import types
@@ -32,6 +38,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxmoe.chat.tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, copy_tokenizer_files
 from jaxmoe.checkpoint.io import CheckpointReader, checkpoint_writer, config_to_dict
 from jaxmoe.checkpoint.safetensors_folder import SafetensorsFolder
 from jaxmoe.config import Config, from_config_dict
@@ -284,6 +291,36 @@ def _refuse_incomplete(sinks: list[_Sink], tensors: _HFTensors, written: set[str
         raise CheckpointError(f"converted arrays differ from the model's: {sorted(written ^ expected)[:3]}")
 
 
+def _check_tokenizer(src: pathlib.Path, vocab_size: int) -> Tokenizer | None:
+    """The source's tokenizer (None if it has no tokenizer.json), refused before any tensor is converted
+    if it cannot be read or has more tokens than the model."""
+    if not (src / TOKENIZER_FILE).is_file():
+        return None
+    try:
+        tokenizer = Tokenizer.load(src)
+    except ValueError as e:
+        raise CheckpointError(f"the HF folder's tokenizer cannot be read: {e}") from e
+    if tokenizer.vocab_size > vocab_size:
+        raise CheckpointError(
+            f"{src / TOKENIZER_FILE} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {vocab_size}"
+        )
+    return tokenizer
+
+
+def _copy_tokenizer(src: pathlib.Path, dst: pathlib.Path, hf: dict) -> list[str]:
+    """Copies the tokenizer files of ``src`` into ``dst``; writes config.json's eos_token_id as a
+    generation_config.json when ``src`` has none. Returns the names of the files written."""
+    files = copy_tokenizer_files(src, dst)
+    eos = hf.get("eos_token_id")
+    if GENERATION_CONFIG_FILE not in files and eos is not None:
+        ids = eos if isinstance(eos, list) else [eos]
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise CheckpointError(f"HF config.json: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+        (dst / GENERATION_CONFIG_FILE).write_text(json.dumps({"eos_token_id": eos}) + "\n")
+        files.append(GENERATION_CONFIG_FILE)
+    return files
+
+
 def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> dict:
     """HF folder (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``) -> jaxmoe checkpoint, tensor by tensor.
 
@@ -293,7 +330,8 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
         quant: None (float, ``model.param_dtype``) or ``"mxfp4"`` (routed experts packed).
 
     Returns:
-        A summary dict (src, dst, layers, mxfp4_weights, passed_through: MXFP4 tensors kept as stored).
+        A summary dict (src, dst, layers, mxfp4_weights, passed_through: MXFP4 tensors kept as
+        stored, tokenizer_files: the tokenizer files written beside the params).
     """
     from jaxmoe.checkpoint.hf_import import FFN_LAYOUT, config_from_hf, load_weights, read_hf_config  # noqa: PLC0415
     from jaxmoe.model import abstract_model  # noqa: PLC0415
@@ -306,6 +344,7 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
     float_cfg = config_from_hf(hf)
     names = tuple(ROUTED_EXPERTS) if quant else ()
     cfg = _with_mxfp4(float_cfg, names) if quant else float_cfg
+    _check_tokenizer(src, cfg.model.vocab_size)
     ffn_prefix, expert_names = FFN_LAYOUT[hf["model_type"]]
     hf_name = dict(zip(("w_gate", "w_up", "w_down"), expert_names))
     expert_key = re.compile(
@@ -341,12 +380,15 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
         sinks: list[_Sink] = []
         load_weights(_mirror(abstract, paths, emit, sinks), tensors, hf["model_type"])
         _refuse_incomplete(sinks, tensors, set(writer.records), expected, src, cfg)
+        # Into the staging directory (the params' parent), so dst appears with its tokenizer.
+        tokenizer_files = _copy_tokenizer(src, writer.directory.parent, hf)
     return {
         "src": str(src),
         "dst": str(pathlib.Path(dst).absolute()),
         "layers": list(cfg.model.layer_kinds),
         "mxfp4_weights": list(names),
         "passed_through": len(passed),
+        "tokenizer_files": tokenizer_files,
     }
 
 

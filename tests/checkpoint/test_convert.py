@@ -1,7 +1,9 @@
-"""Streaming conversion: chunked MXFP4 == jaxmoe.quant, float <-> MXFP4, HF -> MXFP4 (pass-through), memory."""
+"""Streaming conversion: chunked MXFP4 == jaxmoe.quant, float <-> MXFP4, HF -> MXFP4 (pass-through), the HF
+folder's tokenizer files, memory."""
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -15,9 +17,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxmoe import cli
+from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.checkpoint import convert
 from jaxmoe.checkpoint.io import CheckpointReader, load_model, write_checkpoint
 from jaxmoe.config import from_config_dict, load_config_dict
+from jaxmoe.data import python_stdlib_documents
 from jaxmoe.model import abstract_model
 from jaxmoe.quant import dequantize_state, quantize_state, quantize_weight
 
@@ -114,34 +118,37 @@ def test_quantize_refuses_indivisible_contracting_dim(tmp_path, capsys):
 # HF
 
 
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
+def _hf_v3(folder, **overrides):
+    """A tiny random DeepSeek-V3 saved to ``folder`` with ``save_pretrained``."""
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(
-            vocab_size=96,
-            hidden_size=64,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=24,
-            kv_lora_rank=20,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=12,
-            v_head_dim=10,
-            n_routed_experts=5,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            tie_word_embeddings=False,
-        )
+    config = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=20,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=12,
+        v_head_dim=10,
+        n_routed_experts=5,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
     )
-    folder = tmp_path_factory.mktemp("hf") / "v3"
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**config, **overrides}))
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    return _hf_v3(tmp_path_factory.mktemp("hf") / "v3")
 
 
 def _single_file(folder):
@@ -210,6 +217,89 @@ def test_hf_mixed_float_and_mxfp4_experts_refused(hf_folder, tmp_path, capsys):
     assert rc == 1
     assert "some are stored as MXFP4 and some as float" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no destination, no staging left
+
+
+# --------------------------------------------------------------------------------------------
+# The HF folder's tokenizer files travel with the conversion.
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.train([d.text for d in python_stdlib_documents(100_000)], 300)
+
+
+@pytest.fixture(scope="module")
+def hf_chat_folder(tmp_path_factory, tokenizer):
+    """A DeepSeek-V3 folder with a vocabulary of 320 and an HF-style tokenizer: eos ``<|end|>`` (id 5)."""
+    folder = _hf_v3(tmp_path_factory.mktemp("hf") / "chat", vocab_size=320, bos_token_id=0, eos_token_id=5)
+    (folder / "tokenizer.json").write_text(tokenizer.to_json_str())
+    end = {"content": "<|end|>", "lstrip": False, "normalized": False, "rstrip": False, "special": True}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": end}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": end}))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}<|user|>{{ m.content }}<|end|>{% endfor %}")
+    return folder
+
+
+def test_hf_tokenizer_files_are_copied(hf_chat_folder, tmp_path, capsys):
+    assert json.loads((hf_chat_folder / "generation_config.json").read_text())["eos_token_id"] == 5
+    assert cli.main(["convert", "hf", str(hf_chat_folder), str(tmp_path / "jm"), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(summary["tokenizer_files"]) == sorted(TOKENIZER_FILES)
+    for name in TOKENIZER_FILES:
+        assert (tmp_path / "jm" / name).read_bytes() == (hf_chat_folder / name).read_bytes(), name
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left
+
+    loaded = Tokenizer.load(tmp_path / "jm")
+    assert loaded == Tokenizer.load(hf_chat_folder)
+    assert loaded.eos_token == "<|end|>" and loaded.eos_id == 5 and loaded.stop_ids == {5}
+    assert loaded.chat_template.startswith("{% for m in messages %}") and loaded.bos_token == "<|endoftext|>"
+
+    # ``jaxmoe generate --checkpoint DST`` finds the tokenizer in the conversion.
+    assert (
+        cli.main(
+            ["generate", "--checkpoint", str(tmp_path / "jm"), "--prompt", "def f", "--max-new-tokens", "3", "--json"]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prompt"] == "def f" and 1 <= len(out["tokens"]) <= 3
+    assert all(0 <= t < 320 for t in out["tokens"])
+
+
+def test_hf_config_eos_is_kept_without_generation_config(hf_chat_folder, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_chat_folder, src)
+    (src / "generation_config.json").unlink()
+    (src / "tokenizer_config.json").write_text("{}")  # no eos_token: config.json's eos_token_id names it
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "eos_token_id": [5, 0]}))
+    out = convert.convert_hf(src, tmp_path / "jm", progress=False)
+    assert "generation_config.json" in out["tokenizer_files"]
+    assert json.loads((tmp_path / "jm" / "generation_config.json").read_text()) == {"eos_token_id": [5, 0]}
+    loaded = Tokenizer.load(tmp_path / "jm")
+    assert loaded.eos_id == 5 and loaded.stop_ids == {5, 0}
+
+
+def test_hf_tokenizer_larger_than_the_model_is_refused(hf_folder, tokenizer, tmp_path, capsys):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_folder, src)  # vocab_size 96
+    tokenizer.save(src)
+    rc = cli.main(["convert", "hf", str(src), str(tmp_path / "jm"), "--no-progress"])
+    assert rc == 1
+    assert "has 300 tokens, more than the model's vocab_size 96" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    (src / "tokenizer.json").write_text("{}")
+    assert cli.main(["convert", "hf", str(src), str(tmp_path / "jm"), "--no-progress"]) == 1
+    assert "tokenizer cannot be read" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------
