@@ -177,10 +177,6 @@ def llg_tokenizer(tokenizer) -> llguidance.LLTokenizer:
 # --- bounded schemas ---------------------------------------------------------------------------
 
 
-class _TooBig(Exception):
-    """A schema's worst case cannot fit: only the caller's budget check turns it into an error."""
-
-
 def _nonneg_int(schema: dict, key: str, path: str) -> int | None:
     value = schema.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
