@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.checkpoint.io import load_model
 from jaxmoe.config import MeshConfig
 from jaxmoe.train.loop import train
@@ -67,7 +68,9 @@ def test_losses_fall_and_outputs(run, cfg):
     export_cfg, model = load_model(run.workdir / "export_mxfp4")
     assert export_cfg.model.mxfp4_weights == ("w_gate", "w_up", "w_down")
     assert export_cfg.mesh == cfg.mesh  # the experts' dims divide into MXFP4 blocks on the training mesh
-    assert (run.workdir / "export_mxfp4" / "tokenizer.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer folder, in the workdir and export
+        assert (run.workdir / "export_mxfp4" / name).read_bytes() == (run.workdir / name).read_bytes()
+    assert Tokenizer.load(run.workdir / "export_mxfp4").eos_id == 0
 
 
 @pytest.fixture(scope="module")
