@@ -1,4 +1,4 @@
-"""The ``jaxmoe`` command line: ``info``, ``convert hf|quantize|dequantize``, ``logits``, ``train``, ``generate``.
+"""The ``jaxmoe`` command line: ``info``, ``convert``, ``logits``, ``train``, ``generate``, ``serve``.
 
 Every subcommand has ``--help``. Bad arguments exit with status 2 and a message naming the
 argument; bad configs and checkpoints exit with status 1 and a message naming the field or tensor.
@@ -276,6 +276,26 @@ def _add_generate(sub) -> argparse.ArgumentParser:
     return gen
 
 
+def _cmd_serve(args) -> int:
+    from jaxmoe.serve.cli import serve  # noqa: PLC0415
+
+    return serve(args)
+
+
+def _add_serve(sub) -> argparse.ArgumentParser:
+    from jaxmoe.serve.cli import add_arguments  # noqa: PLC0415
+
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI- and Anthropic-compatible HTTP server over the inference engine",
+        description="Serves a training workdir or model checkpoint: GET /v1/models, POST /v1/chat/completions, "
+        "/v1/completions, /v1/messages, /v1/messages/count_tokens, GET /metrics, /health.",
+    )
+    add_arguments(srv)
+    srv.set_defaults(fn=_cmd_serve, parser=srv)
+    return srv
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -293,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     train = _add_train(sub)
     gen = _add_generate(sub)
+    _add_serve(sub)
     for sp in (train, gen):
         sp.set_defaults(parser=sp)
     return p

@@ -11,9 +11,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
+from tiny_run import OVERRIDES, TINY_TRAIN, Run  # noqa: E402
 
-from jaxmoe.config import MeshConfig  # noqa: E402
+from jaxmoe.config import MeshConfig, from_config_dict, load_config_dict  # noqa: E402
 from jaxmoe.sharding import make_mesh  # noqa: E402
+from jaxmoe.train.loop import train  # noqa: E402
+from jaxmoe.train.overrides import apply_overrides  # noqa: E402
 
 # (data, fsdp, expert, context, tensor): every shape uses all 8 devices with >1 on several axes.
 MESH_SHAPES = {
@@ -40,3 +43,31 @@ def _torch_threads():
         torch.set_num_threads(2)
     except ImportError:
         pass
+
+
+# The shared tiny training run (tests/tiny_run.py): the training, generation and serving tests read it.
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="session")
+def flags(data_cache):
+    """The test config's overrides as ``--config.KEY=VALUE`` flags."""
+    return [f"--config.{k}={v}" for k, v in (*OVERRIDES, ("data.cache_dir", str(data_cache)))]
+
+
+@pytest.fixture(scope="session")
+def cfg(data_cache):
+    cd = apply_overrides(load_config_dict(TINY_TRAIN), (*OVERRIDES, ("data.cache_dir", str(data_cache))))
+    return from_config_dict(cd)
+
+
+@pytest.fixture(scope="session")
+def run(cfg, tmp_path_factory):
+    """The uninterrupted 6-step run of the test config."""
+    workdir = tmp_path_factory.mktemp("run")
+    summary = train(cfg, workdir, progress=False, stdout=False)
+    return Run(workdir, summary)

@@ -162,7 +162,7 @@ def token_tables(tokenizer) -> TokenTables:
                 return tables
         tables = _build_tables(tokenizer)
         try:  # the entry goes when the tokenizer does
-            ref = weakref.ref(tokenizer, lambda _, key=key: _TABLES.pop(key, None))
+            ref = weakref.ref(tokenizer, lambda _, key=key, tables=_TABLES: tables.pop(key, None))
         except TypeError:  # not weak-referenceable (a tokenizers.Tokenizer): held for good
             ref = tokenizer
         _TABLES[key] = (ref, tables)

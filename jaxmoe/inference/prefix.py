@@ -39,6 +39,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return sum(len(v) for v in self._entries.values())
 
+    def pages(self) -> set[int]:
+        """Every page some entry holds."""
+        return {p for v in self._entries.values() for e in v for p in e.pages}
+
     def add(self, entry: PrefixEntry) -> None:
         self._entries.setdefault(entry.tenant, []).append(entry)
 

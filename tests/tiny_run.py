@@ -1,0 +1,45 @@
+"""The one small training run the tests share (tests/conftest.py makes it once per session): its
+config overrides, also as ``--config.KEY=VALUE`` flags for subprocess runs, and its record.
+
+Runs of the same program in one process compile once (the train step is a module-level function
+jitted with static config), so the tests that train the same config again pay no compilation."""
+
+import dataclasses
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).parents[1]
+TINY_TRAIN = f"{ROOT / 'configs/tiny.py'}:train"
+
+# The tiny model cut to one DSA + MoE layer (DSA's dense warm-up is MLA), trained for 6 steps on
+# the config's mesh data 2 x expert 2 x context 2: 2 warm-up steps, then 4 sparse ones (top-8 of 32).
+OVERRIDES = (
+    ("model.num_layers", "1"),
+    ("model.layer_kinds", "('dsa',)"),
+    ("model.moe.first_k_dense", "0"),
+    ("model.indexer.topk", "8"),
+    ("steps", "6"),
+    ("batch_size", "8"),
+    ("seq_len", "32"),
+    ("dsa.warmup_steps", "2"),
+    ("log_every", "1"),
+    ("eval_every", "3"),
+    ("eval_batches", "2"),
+    ("checkpoint_every", "3"),
+    ("data.max_bytes", "300000"),
+    ("data.heldout_fraction", "0.1"),
+    ("peak_flops", "1e10"),
+)
+
+
+@dataclasses.dataclass
+class Run:
+    workdir: pathlib.Path
+    summary: dict
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in (self.workdir / "metrics.jsonl").read_text().splitlines()]
+
+    def values(self, key: str = "loss") -> dict[int, float]:
+        """``{step: record[key]}`` over the records that have ``key``."""
+        return {r["step"]: r[key] for r in self.records() if key in r}
