@@ -39,3 +39,28 @@ class Markup:
 NATIVE = Markup()
 # The order fixes the ids a locally trained tokenizer gives them (0 .. 10).
 NATIVE_SPECIAL_TOKENS = (EOS_TOKEN, *NATIVE.tokens)
+
+
+# Imported families mark thinking and tool calls with tokens of their own; those whose calls read
+# NAME <args> ARGUMENTS <close> (DeepSeek V3.1's) parse like the native ones.
+_THINK_TAGS = ("<think>", "</think>")
+_DEEPSEEK_CALLS = (
+    "<\uff5ctool\u2581call\u2581begin\uff5c>",
+    "<\uff5ctool\u2581sep\uff5c>",
+    "<\uff5ctool\u2581call\u2581end\uff5c>",
+)
+
+
+def markup_for(tokenizer) -> Markup:
+    """The markup of ``tokenizer``'s chat format: native when it has the native tokens; otherwise
+    the thinking tags and tool-call tokens of the imported family that it has ("" where none), with
+    its eos token as the end of turn."""
+    has = lambda tokens: all(tokenizer.token_id(t) is not None for t in tokens)
+    if has(NATIVE.tokens):
+        return NATIVE
+    think = _THINK_TAGS if has(_THINK_TAGS) else ("", "")
+    calls = _DEEPSEEK_CALLS if has(_DEEPSEEK_CALLS) else ("", "", "")
+    return Markup(
+        system="", user="", assistant="", tool="", end=tokenizer.eos_token,
+        think_open=think[0], think_close=think[1], call_open=calls[0], call_args=calls[1], call_close=calls[2],
+    )  # fmt: skip

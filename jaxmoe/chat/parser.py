@@ -120,16 +120,18 @@ class OutputParser:
     """
 
     def __init__(self, tokenizer: Tokenizer, markup: Markup = NATIVE, thinking: bool = True):
-        ids = {}
-        for field in ("think_close", "call_open", "call_args", "call_close", "end"):
-            ids[field] = tokenizer.token_id(getattr(markup, field))
-            if ids[field] is None:
-                raise ValueError(f"markup.{field} {getattr(markup, field)!r} is not a token of the tokenizer")
+        # A format may lack thinking or tool-call tokens (an imported family's): None never matches.
+        ids = {
+            f: tokenizer.token_id(getattr(markup, f)) for f in ("think_close", "call_open", "call_args", "call_close")
+        }
+        if thinking and ids["think_close"] is None:
+            raise ValueError(f"thinking: markup.think_close {markup.think_close!r} is not a token of the tokenizer")
         self._think_close, self._call_open = ids["think_close"], ids["call_open"]
         self._call_args, self._call_close = ids["call_args"], ids["call_close"]
-        self._ends = {ids["end"], tokenizer.eos_id, *tokenizer.stop_ids}
+        end = tokenizer.token_id(markup.end) if markup.end else None
+        self._ends = {i for i in (end, tokenizer.eos_id, *tokenizer.stop_ids) if i is not None}
         self._vocab_size = tokenizer.vocab_size
-        self._special = frozenset(tokenizer.special_ids) | set(ids.values())
+        self._special = frozenset(tokenizer.special_ids) | {i for i in ids.values() if i is not None} | self._ends
         self._tokenizer = tokenizer
         self._state = _THINK if thinking else _CONTENT
         self._text = _Detokenizer(tokenizer)

@@ -10,6 +10,7 @@ JSON schema); :meth:`Service.admit` takes one of the tier's running slots (or re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import secrets
@@ -20,6 +21,7 @@ import numpy as np
 
 from jaxmoe.chat import parser as chat_parser
 from jaxmoe.chat.decoding import ChatDecoding, MarkupIds
+from jaxmoe.chat.format import markup_for
 from jaxmoe.chat.template import render
 from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.inference.sampler import SamplingParams
@@ -132,7 +134,8 @@ class Service:
         self.tokenizer, self.runner, self.gate, self.metrics, self.checker = tokenizer, runner, gate, metrics, checker
         self.model_name, self.budgets, self.max_context = model_name, budgets, max_context
         self.vocab_size, self.request_timeout = vocab_size, request_timeout
-        self.ids = MarkupIds.from_tokenizer(tokenizer)
+        self.markup = markup_for(tokenizer)
+        self.ids = MarkupIds.from_tokenizer(tokenizer, self.markup)
         self.created = int(time.time())
         self.engine_limit = min(max_context, runner.engine.scheduler.pages.capacity * runner.engine.config.page_size)
 
@@ -184,11 +187,12 @@ class Service:
         parallel_calls: bool = True,
     ) -> Job:
         """Renders the prompt and builds the constraint; raises :class:`APIError` 400 naming the field."""
-        thinking = bool(thinking_budget)
         try:
-            prompt = render(messages, self.tokenizer, tools=tools or None, thinking=thinking)
+            prompt = render(messages, self.tokenizer, tools=tools or None, thinking=bool(thinking_budget))
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
+        # The answer starts in thinking when the prompt opened it (a template may not have).
+        thinking = bool(thinking_budget) and self.ids.think_open is not None and prompt[-1] == self.ids.think_open
         limit = self.max_tokens(max_tokens, len(prompt), max_tokens_field)
         try:
             decoding = ChatDecoding(
@@ -247,26 +251,27 @@ class Service:
     async def events(self, job: Job, call_prefix: str = "call_") -> AsyncIterator[Event | Outcome]:
         """Runs ``job``; yields its events, then one :class:`Outcome`. Closing early cancels it."""
         start = time.monotonic()
-        parser = chat_parser.OutputParser(self.tokenizer, thinking=job.thinking) if job.decoding else None
+        parser = chat_parser.OutputParser(self.tokenizer, self.markup, job.thinking) if job.decoding else None
         text = _PlainText(self.tokenizer) if parser is None else None
         stops = _StopStrings(job.stop)
         run = _Run()
         status = "500"
         try:
-            async for update in self.runner.generate(job.request):
-                if not run.tokens and update.tokens:
-                    self.metrics.time_to_first_token.observe(time.monotonic() - start)
-                run.tokens += len(update.tokens)
-                run.completion = update.completion
-                self.metrics.generated_tokens.inc(len(update.tokens))
-                if parser is None:
-                    deltas = [chat_parser.Delta("content", text.add(update.tokens, update.completion))]
-                else:
-                    deltas = [d for t in update.tokens for d in parser.feed(t)]
-                for event in self._events(deltas, stops, run, call_prefix):
-                    yield event
-                if run.stopped is not None:
-                    break
+            async with contextlib.aclosing(self.runner.generate(job.request)) as updates:
+                async for update in updates:
+                    if not run.tokens and update.tokens:
+                        self.metrics.time_to_first_token.observe(time.monotonic() - start)
+                    run.tokens += len(update.tokens)
+                    run.completion = update.completion
+                    self.metrics.generated_tokens.inc(len(update.tokens))
+                    if parser is None:
+                        deltas = [chat_parser.Delta("content", text.add(update.tokens, update.completion))]
+                    else:
+                        deltas = [d for t in update.tokens for d in parser.feed(t)]
+                    for event in self._events(deltas, stops, run, call_prefix):
+                        yield event
+                    if run.stopped is not None:
+                        break
             if parser is not None and run.stopped is None:
                 for event in self._events(parser.finish(), stops, run, call_prefix):
                     yield event
@@ -274,6 +279,9 @@ class Service:
                 yield Event("content", text=tail)
             status = "200"
             yield self._outcome(job, run, parser)
+        except (asyncio.CancelledError, GeneratorExit):  # client gone, or timed out
+            status = "cancelled"
+            raise
         finally:
             self.metrics.request_done(job.tier, status, time.monotonic() - start)
 
