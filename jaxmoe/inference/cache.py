@@ -152,8 +152,8 @@ def _copy_rows(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _maintain(cache, zero_pages, zero_slots, copy_pages, copy_slots):
-    paged = {k: [_copy_rows(_zero_rows(a, zero_pages), *copy_pages) for a in cache[k]] for k in ("latent", "index")}
-    slotted = {k: [_copy_rows(_zero_rows(a, zero_slots), *copy_slots) for a in cache[k]] for k in ("conv", "state")}
+    paged = {k: [_zero_rows(_copy_rows(a, *copy_pages), zero_pages) for a in cache[k]] for k in ("latent", "index")}
+    slotted = {k: [_zero_rows(_copy_rows(a, *copy_slots), zero_slots) for a in cache[k]] for k in ("conv", "state")}
     return paged | slotted
 
 
@@ -182,9 +182,11 @@ def maintenance(spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages=(),
 
 
 def maintain(cache, arrays: tuple):
-    """Zeroes freed pages and slots, then copies pages and slots (one program; see :func:`maintenance`).
+    """Copies pages and slots, then zeroes freed ones (one program; see :func:`maintenance`).
 
-    Copies read after the zeroing: a destination is a fresh page or slot.
+    Copies read before the zeroing, so a slot freed in this step (a preempted sequence) can still
+    be the source of a prefix snapshot; a copy's destination is overwritten whole and is never in
+    the zeroing lists (:meth:`Scheduler.schedule` leaves it out).
     """
     zero_pages, zero_slots, page_src, page_dst, slot_src, slot_dst = arrays
     return _maintain(cache, zero_pages, zero_slots, (page_src, page_dst), (slot_src, slot_dst))

@@ -352,6 +352,8 @@ class Engine:
             if seq.request.constraint is not None:
                 seq.request.constraint.accept(token)
             reason = self._finish_reason(seq, token)
+            if reason is None and seq.computed == len(seq.request.prompt_ids):
+                self.scheduler.snapshot_prompt(seq)
             if reason is not None:
                 self._set_text(seq)
                 self.scheduler.finish(seq, reason)

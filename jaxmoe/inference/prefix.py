@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # entries are compared by identity (their tokens are arrays)
 class PrefixEntry:
     tenant: str
     tokens: np.ndarray  # [n] int32: the tokens whose state the entry holds

@@ -66,6 +66,7 @@ class Sequence:
     slot: int | None = None
     cached_tokens: int = 0  # prompt tokens taken from a prefix entry at the last admission
     admitted_tokens: int = 0  # len(tokens) at the last admission: positions below it are prefill
+    prompt_snapshot: bool = False  # a prefix entry at the prompt's end was taken
     finish_reason: str | None = None
     text: str | None = None
 
@@ -115,6 +116,7 @@ class Scheduler:
         self.preemptions = 0
         self.cached_tokens = 0  # prompt tokens taken from prefix entries, over all admissions
         self._copies: tuple[list, list] = ([], [])
+        self._pending_snapshots: list[tuple[int, int]] = []  # (sequence slot, snapshot slot) to copy next step
 
     # ------------------------------------------------------------------------------------
     # Pools
@@ -197,7 +199,8 @@ class Scheduler:
     def schedule(self) -> Plan:
         """The next step's rows; admits, evicts and preempts as needed."""
         self.steps += 1
-        self._copies = ([], [])
+        self._copies = ([], list(self._pending_snapshots))
+        self._pending_snapshots = []
         rows: list[tuple[Sequence, int]] = []
         budget = self.step_tokens
         decoding = [s for s in self.running if s.pending == 1]
@@ -217,13 +220,38 @@ class Scheduler:
             if self._reserve(seq, seq.computed + n, rows):
                 rows.append((seq, n))
                 budget -= n
+        copy_pages, copy_slots = self._copies
+        written_pages = {d for _, d in copy_pages}
+        written_slots = {d for _, d in copy_slots}
         return Plan(
             rows=rows,
-            zero_pages=self.pages.take_zeroing(),
-            zero_slots=self.slots.take_zeroing(),
-            copy_pages=self._copies[0],
-            copy_slots=self._copies[1],
+            zero_pages=[p for p in self.pages.take_zeroing() if p not in written_pages],
+            zero_slots=[z for z in self.slots.take_zeroing() if z not in written_slots],
+            copy_pages=copy_pages,
+            copy_slots=copy_slots,
         )
+
+    def snapshot_prompt(self, seq: Sequence) -> None:
+        """A prefix entry at the end of ``seq``'s prompt, taken before its next step changes its state.
+
+        An agent's next turn starts with this turn's prompt exactly (whatever the model's tokens
+        re-encode to), so this entry is the one the next turn finds. The entry shares the prompt's
+        pages and gets a copy of the KDA slot (made by the next step's maintenance, which runs
+        before the model; copies read before freed slots are zeroed, so a preemption in between
+        is harmless). Skipped when no slot is free.
+        """
+        if self.prefix is None or seq.request.tenant is None or seq.prompt_snapshot or seq.slot is None:
+            return
+        seq.prompt_snapshot = True
+        if self.slots.num_free < 1 and not self._evict_one():
+            return
+        n = len(seq.request.prompt_ids)
+        pages = seq.pages[: pages_for(n, self.page_size)]
+        self.pages.share(pages)
+        slot = self.slots.allocate()
+        self._pending_snapshots.append((seq.slot, slot))
+        tokens = np.asarray(seq.tokens[:n], np.int32)
+        self.prefix.add(PrefixEntry(seq.request.tenant, tokens, list(pages), slot, self.steps))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a running or waiting sequence; a tenant's sequence leaves a prefix entry."""

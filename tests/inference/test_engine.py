@@ -153,6 +153,21 @@ def test_prefix_reuse_equals_cold_start_and_computes_only_new_tokens(model, prom
     assert bob.cached_tokens == 0 and bob.output_ids == cold.output_ids
 
 
+def test_next_turn_reuses_the_prompt_snapshot_whatever_the_reply(model, prompts):
+    """An agent's next turn re-sends its prompt, then a re-encoded reply that differs from the tokens
+    sampled: the entry taken at the prompt's end still matches (state snapshot at that boundary),
+    and the output equals a cold start. Preemption in between (a tight pool) changes nothing."""
+    engine = small_engine(model, cache_bytes=_bytes_for_pages(model, 14, 8))
+    first = engine.generate([Request(prompts[4], max_tokens=5, tenant="alice")])[0]
+    history = prompts[4] + tuple(t + 1 for t in first.output_ids) + prompts[0]  # not the sampled reply
+    busy = [Request(p, max_tokens=9, sampling=_sampled(seed=i)) for i, p in enumerate(prompts[:3])]
+    outs = engine.generate([Request(history, max_tokens=6, tenant="alice"), *busy])
+    assert outs[0].cached_tokens == len(prompts[4])
+    cold = small_engine(model, prefix_cache=False).generate([Request(history, max_tokens=6)])[0]
+    assert outs[0].output_ids == cold.output_ids
+    np.testing.assert_allclose(outs[0].logprobs, cold.logprobs, atol=1e-4)
+
+
 def test_refusals_name_the_limit(model):
     engine = small_engine(model, cache_bytes=_bytes_for_pages(model, 5, 8))
     with pytest.raises(ValueError, match="max_context 4096"):
