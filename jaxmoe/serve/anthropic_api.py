@@ -172,7 +172,7 @@ def _job(service: Service, body: dict, tenant: str):
     tools = _tools(body)
     tier, rule, budget = _tier(service, body, messages, tools)
     choice, parallel = _tool_choice(body, tools)
-    return service.chat_job(
+    job = service.chat_job(
         messages=messages,
         tools=tools,
         tool_choice=choice,
@@ -187,6 +187,8 @@ def _job(service: Service, body: dict, tenant: str):
         tenant=tenant,
         parallel_calls=parallel,
     )
+    job.call_prefix = "toolu_"
+    return job
 
 
 # ----------------------------------------------------------------------------------------

@@ -57,16 +57,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="jaxmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if request.url.path in _OPEN_PATHS:
-            return await call_next(request)
-        tenant = service.checker.tenant(request.headers) if service.checker.enabled else ANONYMOUS
-        if tenant is None:
-            error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
-            return error_response(error, request.url.path)
-        request.state.tenant = tenant
-        return await call_next(request)
+    app.add_middleware(_Authenticate, checker=service.checker)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -83,7 +74,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = service.runner.alive
+        alive = service.runner.healthy
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -94,6 +85,28 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     return app
+
+
+class _Authenticate:
+    """Pure ASGI middleware: a key on every route but /health; the key's tenant in ``request.state``.
+
+    (Not ``@app.middleware("http")``: behind that wrapper ``request.is_disconnected()`` never turns
+    true, and abandoned requests would run to the end.)
+    """
+
+    def __init__(self, app, checker: KeyChecker):
+        self.app, self.checker = app, checker
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        tenant = self.checker.tenant(headers) if self.checker.enabled else ANONYMOUS
+        if tenant is None:
+            error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+            return await error_response(error, scope["path"])(scope, receive, send)
+        scope.setdefault("state", {})["tenant"] = tenant
+        return await self.app(scope, receive, send)
 
 
 def _page_metrics(metrics: Metrics):

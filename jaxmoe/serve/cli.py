@@ -36,10 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM); with --ssl-keyfile")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
-    p.add_argument("--cache-gb", type=float, default=1.0, help="device memory for the KV pages and KDA slots")
+    p.add_argument(
+        "--cache-gb", type=float, default=1.0, help="device memory for the KV pages and KDA slots, GB (default 1)"
+    )
     p.add_argument("--page-size", type=int, default=16, help="positions per cache page (default 16)")
     p.add_argument("--step-tokens", type=int, default=256, help="token budget of one engine step (default 256)")
-    p.add_argument("--chunk-size", type=int, default=128, help="most prompt tokens of a sequence per step")
+    p.add_argument(
+        "--chunk-size", type=int, default=128, help="most prompt tokens of a sequence per step (default 128)"
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

@@ -146,7 +146,7 @@ def _tier(service: Service, body: dict, messages, tools) -> tuple[str, str, int 
     try:
         tier, thinking = tier_for_effort(effort)
     except ValueError as e:
-        raise bad_request(f"reasoning_effort: {e}", "reasoning_effort") from e
+        raise bad_request(str(e), "reasoning_effort") from e
     return tier, f"reasoning_effort={effort}", service.budgets[tier] if thinking else None
 
 

@@ -21,6 +21,7 @@ from jaxmoe.inference.engine import Completion, Engine
 from jaxmoe.inference.scheduler import Request
 
 log = logging.getLogger(__name__)
+_UNHEALTHY_AFTER = 3  # engine steps failed in a row before /health says so
 
 
 @dataclasses.dataclass
@@ -53,10 +54,12 @@ class EngineRunner:
         self._tracked: dict[int, _Tracked] = {}
         self._thread = threading.Thread(target=self._loop, name="jaxmoe-engine", daemon=True)
         self._stopping = False
+        self._failures = 0  # engine steps failed in a row
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def healthy(self) -> bool:
+        """The thread runs and its last steps did not all fail (a few failures in a row: not healthy)."""
+        return self._thread.is_alive() and self._failures < _UNHEALTHY_AFTER
 
     def start(self) -> None:
         self._thread.start()
@@ -111,8 +114,10 @@ class EngineRunner:
                 finished = set(self.engine.step())
             except Exception as e:  # fail what was running, keep serving the rest
                 log.exception("engine step failed")
+                self._failures += 1
                 self._fail_all(e)
                 continue
+            self._failures = 0
             self._publish(finished)
             if self._on_step is not None:
                 self._on_step(self.engine)

@@ -66,6 +66,7 @@ class Job:
     thinking: bool
     decoding: ChatDecoding | None  # None: a plain completion (no chat constraint, no parsing)
     stop: tuple[str, ...] = ()
+    call_prefix: str = "call_"  # tool-call ids: OpenAI call_..., Anthropic toolu_...
 
 
 class _SingleCall:
@@ -244,8 +245,9 @@ class Service:
             self.metrics.requests_total.labels(tier=tier, status="429").inc()
             raise APIError(
                 429,
-                f"the {tier} tier's {self.gate.depth(tier)} queue places are taken; retry after {e.retry_after} s",
-                headers={"Retry-After": str(e.retry_after)},
+                f"the {tier} tier is full (its running slots busy, {self.gate.depth(tier)} requests waiting); "
+                f"retry after {e.retry_after} s",
+                headers={"Retry-After": str(e.retry_after), "x-jaxmoe-tier": tier},
             ) from e
 
     async def events(self, job: Job, call_prefix: str = "call_") -> AsyncIterator[Event | Outcome]:

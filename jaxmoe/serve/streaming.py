@@ -44,7 +44,7 @@ async def collect(request, service: Service, job: Job) -> list:
 
     async def run():
         async with service.admit(job.tier):
-            return [e async for e in service.events(job)]
+            return [e async for e in service.events(job, job.call_prefix)]
 
     task = asyncio.create_task(run())
     watcher = asyncio.create_task(_watch_disconnect(request, task))
@@ -67,12 +67,19 @@ async def sse_stream(request, service: Service, job: Job, first, chunks, headers
     stack = contextlib.AsyncExitStack()
     loop = asyncio.get_running_loop()
     deadline = None if service.request_timeout is None else loop.time() + service.request_timeout
+    admission = asyncio.create_task(stack.enter_async_context(service.admit(job.tier)))
+    watcher = asyncio.create_task(_watch_disconnect(request, admission))  # a client gone while queued
     try:
         async with asyncio.timeout_at(deadline):
-            await stack.enter_async_context(service.admit(job.tier))
+            await admission
     except TimeoutError as e:
         await stack.aclose()
         raise _timeout_error(service) from e
+    except asyncio.CancelledError:
+        await stack.aclose()
+        raise
+    finally:
+        watcher.cancel()
     anthropic = request.url.path.startswith("/v1/messages")
 
     async def events():
@@ -80,7 +87,7 @@ async def sse_stream(request, service: Service, job: Job, first, chunks, headers
             for c in first if isinstance(first, list) else [first] if first is not None else []:
                 yield _sse(c)
             async with asyncio.timeout_at(deadline):
-                async for event in service.events(job):
+                async for event in service.events(job, job.call_prefix):
                     for c in chunks(event):
                         yield _sse(c)
             if done is not None:

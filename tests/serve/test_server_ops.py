@@ -200,3 +200,28 @@ def test_tls_with_a_test_certificate(run, tmp_path):
             httpx.get(server.base_url + "/health", timeout=10)  # not trusted without the test CA
     finally:
         stop_server(server)
+
+
+def _cancelled(server, tier: str) -> float:
+    try:
+        return server.metric("jaxmoe_requests_total", tier=tier, status="cancelled")
+    except KeyError:
+        return 0.0
+
+
+def test_abandoned_whole_and_queued_requests_are_cancelled(server):
+    """A client that gives up on a whole (non-streamed) answer, running or still queued, cancels it:
+    its slot, its queue place and its pages come back, and it is counted as cancelled."""
+    before = _cancelled(server, "high")
+    body = _chat("high", 3000)
+    with pytest.raises(httpx.TimeoutException):
+
+        async def main():
+            async with httpx.AsyncClient(timeout=3) as client:
+                await asyncio.gather(*(_post(client, server, body) for _ in range(SLOTS["high"] + 1)))
+
+        asyncio.run(main())
+    assert _wait_for(lambda: server.metric("jaxmoe_requests_running", tier="high") == 0, 10)
+    assert _wait_for(lambda: server.metric("jaxmoe_queue_depth", tier="high") == 0, 10)
+    assert _wait_for(lambda: server.metric("jaxmoe_cache_pages_used") == 0, 10)
+    assert _cancelled(server, "high") >= before + 1
