@@ -152,7 +152,8 @@ def test_save_load_and_pickle(tok, tmp_path, splits):
 
 
 def test_transformers_reads_a_saved_folder(tok, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test oracle: installed with the test extra
+
     tok.save(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "def f(x):\n    return 'é' + x  # ok"
