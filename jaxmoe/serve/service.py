@@ -339,11 +339,3 @@ class _PlainText:
             text = text.rstrip("\ufffd")
         out, self.sent = text[self.sent :], max(self.sent, len(text))
         return out
-
-
-def seconds(value, field: str) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        raise bad_request(f"{field}: must be a number > 0, got {value!r}", field)
-    return float(value)
