@@ -39,6 +39,8 @@ class Request:
       stop_ids: more token ids that end the output (a chat format's end of turn); kept in the output.
       constraint: restricts which tokens may be sampled (see :mod:`jaxmoe.inference.constraint`).
       priority: lower runs its prompt chunks first (a latency tier ahead of a deep one).
+      min_tokens: the first this many new tokens are never eos, a stop id or a stop string's end
+        (HF ``min_new_tokens``, vLLM ``min_tokens``), unless the constraint allows nothing else.
     """
 
     prompt_ids: tuple[int, ...]
@@ -50,6 +52,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     constraint: Constraint | None = dataclasses.field(default=None, compare=False)
     priority: int = 0
+    min_tokens: int = 0
 
 
 @dataclasses.dataclass

@@ -115,6 +115,9 @@ class _StopStrings:
         return out
 
 
+_NO_STOPS = _StopStrings(())
+
+
 class Service:
     """The model behind the routes: tokenizer, engine runner, tiers, auth, metrics."""
 
@@ -186,8 +189,13 @@ class Service:
         stop: tuple[str, ...],
         tenant: str,
         parallel_calls: bool = True,
+        min_tokens: int = 0,
     ) -> Job:
-        """Renders the prompt and builds the constraint; raises :class:`APIError` 400 naming the field."""
+        """Renders the prompt and builds the constraint; raises :class:`APIError` 400 naming the field.
+
+        ``min_tokens`` (vLLM's extension): the answer's first N tokens never end it (the grammar may
+        still end it where nothing else is allowed, e.g. after a complete forced tool call).
+        """
         try:
             prompt = render(messages, self.tokenizer, tools=tools or None, thinking=bool(thinking_budget))
         except ValueError as e:
@@ -195,6 +203,8 @@ class Service:
         # The answer starts in thinking when the prompt opened it (a template may not have).
         thinking = bool(thinking_budget) and self.ids.think_open is not None and prompt[-1] == self.ids.think_open
         limit = self.max_tokens(max_tokens, len(prompt), max_tokens_field)
+        if min_tokens > limit:
+            raise bad_request(f"min_tokens: must be <= {max_tokens_field} ({limit}), got {min_tokens}", "min_tokens")
         try:
             decoding = ChatDecoding(
                 self.tokenizer,
@@ -217,6 +227,7 @@ class Service:
             constraint=constraint,
             tenant=tenant,
             priority=TIERS.index(tier),
+            min_tokens=min_tokens,
         )
         return Job(tier, rule, prompt, request, thinking, decoding, tuple(stop))
 
@@ -270,7 +281,8 @@ class Service:
                         deltas = [chat_parser.Delta("content", text.add(update.tokens, update.completion))]
                     else:
                         deltas = [d for t in update.tokens for d in parser.feed(t)]
-                    for event in self._events(deltas, stops, run, call_prefix):
+                    checks = run.tokens >= job.request.min_tokens  # stop strings wait for min_tokens
+                    for event in self._events(deltas, stops if checks else _NO_STOPS, run, call_prefix):
                         yield event
                     if run.stopped is not None:
                         break

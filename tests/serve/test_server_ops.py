@@ -56,7 +56,10 @@ def test_health_needs_no_key(server):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                   "reasoning_effort": "huge"}, 400, "reasoning_effort"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                  "min_tokens": 5}, 400, "min_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
         ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
         ("/v1/messages", {"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400,
          "max_tokens"),
@@ -149,6 +152,20 @@ def test_low_is_served_while_max_is_saturated(server):
     assert _wait_for(lambda: server.metric("jaxmoe_cache_pages_used") == 0, 10)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_min_tokens_keeps_the_answer_going(server, path):
+    body = {**_chat("none", 12, "hi"), "min_tokens": 12}
+    if _anthropic(path):
+        body = {k: v for k, v in body.items() if k != "reasoning_effort"}
+    r = httpx.post(server.base_url + path, json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    if _anthropic(path):
+        assert out["stop_reason"] == "max_tokens" and out["usage"]["output_tokens"] == 12
+    else:
+        assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 12
+
+
 def test_disconnect_mid_stream_frees_pages(server):
     body = {**_chat("max", 300), "stream": True}
     with httpx.Client(timeout=60) as client:
@@ -213,7 +230,7 @@ def test_abandoned_whole_and_queued_requests_are_cancelled(server):
     """A client that gives up on a whole (non-streamed) answer, running or still queued, cancels it:
     its slot, its queue place and its pages come back, and it is counted as cancelled."""
     before = _cancelled(server, "high")
-    body = _chat("high", 3000)
+    body = {**_chat("high", 3000), "min_tokens": 3000}  # ~a minute of decoding: never done within the timeout
     with pytest.raises(httpx.TimeoutException):
 
         async def main():
