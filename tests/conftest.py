@@ -1,9 +1,19 @@
 """Test set-up: 8 fake CPU devices, fp32 everywhere, and mesh fixtures over several shapes."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One on-disk compilation cache for the session and every process it starts (servers, CLI runs,
+# multi-process checks): a program already compiled (same HLO, same devices) is loaded, not
+# compiled again. Fresh per session, removed at its end.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmoe-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 

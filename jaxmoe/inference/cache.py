@@ -160,12 +160,12 @@ def _maintain(cache, zero_pages, zero_slots, copy_pages, copy_slots):
 def maintenance(spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages=(), copy_slots=()) -> tuple:
     """Host arrays for :func:`maintain`: freed pages and slots to zero, ``(src, dst)`` pages and slots to copy.
 
-    Lists are padded to powers of two with out-of-range ids (dropped), so the program compiles
-    for a handful of sizes only.
+    Lists are padded to powers of two of at least 8 with out-of-range ids (dropped), so the
+    program compiles for a handful of sizes only (a step rarely frees or copies more than 8).
     """
 
     def ids(values, limit):
-        n = 1 << max(0, (len(values) - 1)).bit_length() if values else 1
+        n = max(8, 1 << max(0, (len(values) - 1)).bit_length())
         out = np.full((n,), limit, np.int32)
         out[: len(values)] = values
         return out

@@ -77,6 +77,13 @@ class Completion:
     cached_tokens: int
 
 
+# Bucket floors: a decode group has at least 8 rows and a page table at least 8 pages, so the few
+# small shapes of a quiet engine share one program (padding rows and null pages cost little next
+# to a compile; a step's weights are read once whatever its rows).
+MIN_DECODE_ROWS = 8
+MIN_PAGES = 8
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     """The power of two at or above ``max(n, minimum)``."""
     n = max(n, minimum)
@@ -164,6 +171,8 @@ class Engine:
             raise ValueError(f"prompt_ids must be in [0, {V}): got ids from {min(prompt)} to {max(prompt)}")
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if not 0 <= request.min_tokens <= request.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={request.max_tokens}], got {request.min_tokens}")
         total = len(prompt) + request.max_tokens
         if total > self.cfg.max_context:
             raise ValueError(
@@ -286,28 +295,32 @@ class Engine:
         """Host arrays of the plan: the decode group (T = 1) and the prefill group, bucketed."""
         decode = [(s, n) for s, n in plan.rows if s.pending == 1]
         prefill = [(s, n) for s, n in plan.rows if s.pending > 1]
+        # One page-table width for both groups: the step compiles per (decode rows, prefill rows,
+        # chunk, width), not per width of each group as well.
+        M = _bucket(max(pages_for(s.computed + n, self.config.page_size) for s, n in plan.rows), MIN_PAGES)
         groups, order = [], []
         for rows, is_decode in ((decode, True), (prefill, False)):
             if rows:
-                groups.append(self._group(rows, is_decode))
+                groups.append(self._group(rows, is_decode, M))
                 order += [s for s, _ in rows] + [None] * (groups[-1].tokens.shape[0] - len(rows))
         sampling = _sampling(order, self._masks(plan, order))
         return tuple(groups), sampling, order
 
     def _masks(self, plan: Plan, order: list) -> np.ndarray | None:
-        """``[B, V]`` allowed tokens of the rows that sample in this step, if any row is constrained."""
+        """``[B, V]`` allowed tokens of the rows that sample in this step, if any row is restricted:
+        by its constraint, and before ``min_tokens`` by its stop tokens (unless nothing else is allowed)."""
         sizes = {id(s): n for s, n in plan.rows}
         masks = {}
         for b, seq in enumerate(order):
-            if seq is not None and seq.request.constraint is not None and seq.pending == sizes[id(seq)]:
-                allowed = seq.request.constraint.allowed()
-                if allowed is not None:
-                    if allowed.shape != (self.cfg.vocab_size,) or not allowed.any():
-                        raise ValueError(
-                            f"request {seq.id}: its constraint allowed {int(allowed.sum())} tokens of a "
-                            f"{allowed.shape} mask; need a non-empty bool [{self.cfg.vocab_size}] mask"
-                        )
-                    masks[b] = allowed
+            if seq is None or seq.pending != sizes[id(seq)]:
+                continue
+            allowed = self._allowed(seq)
+            if len(seq.output) < seq.request.min_tokens:
+                free = np.ones((self.cfg.vocab_size,), bool) if allowed is None else allowed.copy()
+                free[self._stop_tokens(seq.request)] = False
+                allowed = free if free.any() else allowed
+            if allowed is not None:
+                masks[b] = allowed
         if not masks:
             return None
         mask = np.ones((len(order), self.cfg.vocab_size), bool)
@@ -315,10 +328,26 @@ class Engine:
             mask[b] = allowed
         return mask
 
-    def _group(self, rows: list[tuple[Sequence, int]], is_decode: bool) -> Rows:
-        B = _bucket(len(rows))
+    def _allowed(self, seq: Sequence) -> np.ndarray | None:
+        if seq.request.constraint is None:
+            return None
+        allowed = seq.request.constraint.allowed()
+        if allowed is not None and (allowed.shape != (self.cfg.vocab_size,) or not allowed.any()):
+            raise ValueError(
+                f"request {seq.id}: its constraint allowed {int(allowed.sum())} tokens of a "
+                f"{allowed.shape} mask; need a non-empty bool [{self.cfg.vocab_size}] mask"
+            )
+        return allowed
+
+    def _stop_tokens(self, r: Request) -> list[int]:
+        ids = [i for i in r.stop_ids if 0 <= i < self.cfg.vocab_size]
+        if not r.ignore_eos and self.eos_id is not None and 0 <= self.eos_id < self.cfg.vocab_size:
+            ids.append(self.eos_id)
+        return ids
+
+    def _group(self, rows: list[tuple[Sequence, int]], is_decode: bool, M: int) -> Rows:
+        B = _bucket(len(rows), min(MIN_DECODE_ROWS, self.config.max_seqs) if is_decode else 1)
         T = 1 if is_decode else _bucket(max(n for _, n in rows), minimum=8)
-        M = _bucket(max(pages_for(s.computed + n, self.config.page_size) for s, n in rows))
         tokens = np.zeros((B, T), np.int32)
         start = np.zeros((B,), np.int32)
         length = np.zeros((B,), np.int32)
@@ -363,8 +392,8 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         r = seq.request
         if (token == self.eos_id and not r.ignore_eos) or token in r.stop_ids:
-            return "stop"
-        if r.stop and any(s in self._text(seq) for s in r.stop):
+            return "stop"  # before min_tokens only when the constraint allowed nothing else
+        if r.stop and len(seq.output) >= r.min_tokens and any(s in self._text(seq) for s in r.stop):
             return "stop"
         if len(seq.output) >= r.max_tokens:
             return "length"

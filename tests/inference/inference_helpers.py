@@ -1,8 +1,11 @@
 """Driving the engine's cached forward directly: prefill in chunks, then decode, collecting logits."""
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
+from flax import nnx
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.inference import Engine, EngineConfig
@@ -67,3 +70,15 @@ def cached_logits(engine: Engine, sequences: list[list[int]], chunks: list[int],
 def small_engine(model, mesh=None, eos_id=None, detokenize=None, **kw) -> Engine:
     args = dict(cache_bytes=1 << 22, page_size=8, max_seqs=4, snapshot_slots=4, step_tokens=64, chunk_size=16)
     return Engine(model, EngineConfig(**(args | kw)), mesh=mesh, eos_id=eos_id, detokenize=detokenize)
+
+
+def full_forward(model):
+    """``tokens -> logits`` of ``model``'s full forward, jitted with the weights as arguments (not
+    baked-in constants), so every model of one config shares a program per token shape."""
+    graphdef, state = nnx.split(model)
+    return functools.partial(_forward, graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)

@@ -1,6 +1,7 @@
 """The engine end to end on the tiny hybrid model: batching, sampling, preemption, prefix reuse, pages.
 
-One model and its jitted full forward are shared by the module (session cost: a few compiles).
+One model is shared by the module, and one jitted full forward by every reference (weights as
+arguments); the engines of one pool size share their step programs.
 """
 
 import dataclasses
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from inference_helpers import inference_model_config, small_engine
+from inference_helpers import full_forward, inference_model_config, small_engine
 
 from jaxmoe.config import load_config
 from jaxmoe.inference import Request, SamplingParams
@@ -35,7 +36,7 @@ def prompts():
 
 def _full_forward_greedy(model, prompt, n):
     """Reference: argmax of the whole forward, one position at a time (a fixed 64-token buffer)."""
-    fwd = jax.jit(lambda t: model(t))
+    fwd = full_forward(model)
     toks, logprobs = list(prompt), []
     for _ in range(n):
         buf = np.zeros((1, 64), np.int32)
@@ -189,19 +190,33 @@ def test_eos_stop_strings_and_ignore_eos(model, prompts):
     eos = greedy[3]
     detok = lambda ids: " ".join(str(i) for i in ids)
     engine = small_engine(model, eos_id=eos, detokenize=detok)
-    stopped, ignored, by_string = engine.generate(
+    first = greedy.index(eos)
+    stopped, ignored, by_string, at_least, string_later = engine.generate(
         [
             Request(prompts[3], max_tokens=8),
             Request(prompts[3], max_tokens=8, ignore_eos=True),
             Request(prompts[3], max_tokens=8, stop=(f" {greedy[2]}",), ignore_eos=True),
+            Request(prompts[3], max_tokens=8, min_tokens=first + 2),
+            Request(prompts[3], max_tokens=8, stop=(f" {greedy[2]}",), ignore_eos=True, min_tokens=5),
         ]
     )
-    first = greedy.index(eos)
     assert stopped.output_ids == greedy[: first + 1] and stopped.finish_reason == "stop"
     assert stopped.text == detok(greedy[:first])
     assert ignored.output_ids == greedy and ignored.finish_reason == "length"
     assert by_string.finish_reason == "stop" and by_string.output_ids == greedy[:3]
     assert by_string.text == detok(greedy[:2])
+    # min_tokens: eos is masked out of the first first + 2 tokens (HF min_new_tokens), allowed after
+    no_eos = np.arange(VOCAB) != eos
+    free = np.ones(VOCAB, bool)
+    ids, logprobs = _masked_greedy(model, prompts[3], [no_eos] * (first + 2) + [free] * (6 - first))
+    end = ids.index(eos) + 1 if eos in ids else len(ids)
+    assert eos not in ids[: first + 2] and at_least.output_ids == ids[:end]
+    np.testing.assert_allclose(at_least.logprobs, logprobs[:end], atol=1e-4)
+    # a stop string is looked for once min_tokens are out (and still cuts the text where it starts)
+    assert string_later.finish_reason == "stop" and string_later.output_ids == greedy[:5]
+    assert string_later.text == detok(greedy[:2])
+    with pytest.raises(ValueError, match="min_tokens must be in"):
+        engine.submit(Request(prompts[3], max_tokens=4, min_tokens=5))
 
 
 class _Allow:
@@ -222,7 +237,7 @@ class _Allow:
 
 def _masked_greedy(model, prompt, masks):
     """Reference: argmax over each position's allowed tokens of the whole forward."""
-    fwd = jax.jit(lambda t: model(t))
+    fwd = full_forward(model)
     toks, logprobs = list(prompt), []
     for mask in masks:
         buf = np.zeros((1, 64), np.int32)

@@ -16,7 +16,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from inference_helpers import cached_logits, inference_model_config, small_engine
+from inference_helpers import cached_logits, full_forward, inference_model_config, small_engine
 
 from jaxmoe.config import IndexerConfig, KDAConfig, MeshConfig, MLAConfig, ModelConfig, MoEConfig, load_config
 from jaxmoe.model import create_model
@@ -50,7 +50,7 @@ def _tokens(vocab, seed, n=2):
 
 def _check(model, engine, seqs, atol):
     got = cached_logits(engine, seqs, CHUNKS, DECODE)
-    want = np.asarray(jax.jit(lambda t: model(t))(np.asarray(seqs, np.int32)))
+    want = np.asarray(full_forward(model)(np.asarray(seqs, np.int32)))
     for b in range(len(seqs)):
         np.testing.assert_allclose(got[b], want[b], atol=atol, rtol=0)
 
@@ -104,7 +104,7 @@ def check_sharded(mesh_name: str, mxfp4: bool) -> None:
     engine = small_engine(model, mesh=mesh)
     seqs = _tokens(512, 5, n=3)
     got = cached_logits(engine, seqs, CHUNKS, DECODE)
-    want = np.asarray(jax.jit(lambda t: reference(t))(np.asarray(seqs, np.int32)))
+    want = np.asarray(full_forward(reference)(np.asarray(seqs, np.int32)))
     for b in range(len(seqs)):
         np.testing.assert_allclose(got[b], want[b], atol=1e-4, rtol=0)
 
