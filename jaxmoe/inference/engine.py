@@ -77,11 +77,13 @@ class Completion:
     cached_tokens: int
 
 
-# Bucket floors: a decode group has at least 8 rows and a page table at least 8 pages, so the few
-# small shapes of a quiet engine share one program (padding rows and null pages cost little next
-# to a compile; a step's weights are read once whatever its rows).
-MIN_DECODE_ROWS = 8
+# Bucket floors, so that the few small shapes of a quiet engine share one program: a page table
+# has at least 8 pages, and a decode group at least 64 / (its page-table width) rows, at most 8.
+# A padding row attends over the whole page table like a real one, so short rows are padded
+# (64 pages of padding at most: cheap next to a compile) and a long row is never.
 MIN_PAGES = 8
+PADDED_ROW_PAGES = 64
+MAX_DECODE_FLOOR = 8
 
 
 def _bucket(n: int, minimum: int = 1) -> int:
@@ -346,7 +348,8 @@ class Engine:
         return ids
 
     def _group(self, rows: list[tuple[Sequence, int]], is_decode: bool, M: int) -> Rows:
-        B = _bucket(len(rows), min(MIN_DECODE_ROWS, self.config.max_seqs) if is_decode else 1)
+        floor = min(MAX_DECODE_FLOOR, self.config.max_seqs, max(1, PADDED_ROW_PAGES // M)) if is_decode else 1
+        B = _bucket(len(rows), floor)
         T = 1 if is_decode else _bucket(max(n for _, n in rows), minimum=8)
         tokens = np.zeros((B, T), np.int32)
         start = np.zeros((B,), np.int32)
