@@ -186,7 +186,7 @@ def _job(service: Service, body: dict, tenant: str):
         stop=params.stop_strings(body, "stop_sequences"),
         tenant=tenant,
         parallel_calls=parallel,
-        min_tokens=params.integer(body, "min_tokens", 0, 0),
+        min_tokens=body.get("min_tokens"),
     )
     job.call_prefix = "toolu_"
     return job

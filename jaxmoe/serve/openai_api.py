@@ -175,7 +175,7 @@ def _chat_job(service: Service, body: dict, tenant: str):
         stop=params.stop_strings(body, "stop"),
         tenant=tenant,
         parallel_calls=parallel is not False,
-        min_tokens=params.integer(body, "min_tokens", 0, 0),
+        min_tokens=body.get("min_tokens"),
     )
 
 
@@ -299,9 +299,7 @@ def _completion_job(service: Service, body: dict, tenant: str):
     service.check_model(body.get("model"))
     prompt = _prompt_ids(service, body.get("prompt"))
     max_tokens = service.max_tokens(body.get("max_tokens", 16), len(prompt), "max_tokens")
-    min_tokens = params.integer(body, "min_tokens", 0, 0)
-    if min_tokens > max_tokens:
-        raise bad_request(f"min_tokens: must be <= max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
+    min_tokens = params.min_tokens(body.get("min_tokens"), max_tokens, "max_tokens")
     from jaxmoe.inference.scheduler import Request as EngineRequest  # noqa: PLC0415
     from jaxmoe.serve.service import Job  # noqa: PLC0415
 

@@ -41,6 +41,14 @@ def integer(body: dict, field: str, lo: int, default=None):
     return value
 
 
+def min_tokens(value, limit: int, limit_field: str) -> int:
+    """``min_tokens`` (vLLM's extension): an integer in [0, the answer's max tokens], default 0."""
+    n = integer({"min_tokens": value}, "min_tokens", 0, 0)
+    if n > limit:
+        raise bad_request(f"min_tokens: must be <= {limit_field} ({limit}), got {n}", "min_tokens")
+    return n
+
+
 def sampling(body: dict, *, top_k_field: str = "top_k") -> SamplingParams:
     """temperature [0, 2] (default 1), top_p (0, 1], top_k >= 0, seed (any integer; random if absent)."""
     seed = body.get("seed")

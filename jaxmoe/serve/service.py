@@ -26,6 +26,7 @@ from jaxmoe.chat.template import render
 from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.inference.sampler import SamplingParams
 from jaxmoe.inference.scheduler import Request
+from jaxmoe.serve import params
 from jaxmoe.serve.auth import KeyChecker
 from jaxmoe.serve.errors import APIError, bad_request
 from jaxmoe.serve.metrics import Metrics
@@ -189,7 +190,7 @@ class Service:
         stop: tuple[str, ...],
         tenant: str,
         parallel_calls: bool = True,
-        min_tokens: int = 0,
+        min_tokens=None,
     ) -> Job:
         """Renders the prompt and builds the constraint; raises :class:`APIError` 400 naming the field.
 
@@ -203,8 +204,7 @@ class Service:
         # The answer starts in thinking when the prompt opened it (a template may not have).
         thinking = bool(thinking_budget) and self.ids.think_open is not None and prompt[-1] == self.ids.think_open
         limit = self.max_tokens(max_tokens, len(prompt), max_tokens_field)
-        if min_tokens > limit:
-            raise bad_request(f"min_tokens: must be <= {max_tokens_field} ({limit}), got {min_tokens}", "min_tokens")
+        min_tokens = params.min_tokens(min_tokens, limit, max_tokens_field)
         try:
             decoding = ChatDecoding(
                 self.tokenizer,
