@@ -7,7 +7,10 @@ Each :meth:`Engine.step` asks the :class:`Scheduler` for rows, zeroes freed page
 copies prefix pages (one small program), then runs the model over the rows
 (:func:`jaxmoe.inference.forward.forward`) and samples the next token of every row that reached
 the end of its pending tokens. Shapes are bucketed to powers of two (rows, tokens per row,
-pages per row), so the step compiles a handful of times, not once per request.
+pages per row), so the step compiles a handful of times, not once per request; with
+``EngineConfig.compile_in_background`` (the server's setting) a step of a shape met for the first
+time runs padded to a compiled one while its own program compiles on another thread
+(:mod:`jaxmoe.inference.programs`).
 
 On a mesh (``Engine(..., mesh=...)``) the weights keep the training rules' sharding (tensor,
 expert, fsdp axes), the pools are replicated, and the same program runs on every device; in a
@@ -30,6 +33,7 @@ from jaxmoe.inference.allocator import pages_for
 from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maintenance
 from jaxmoe.inference.forward import Rows, forward, last_hidden, write
 from jaxmoe.inference.multihost import Work, broadcast
+from jaxmoe.inference.programs import Programs, Shape, abstract_inputs, shape_of
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
 from jaxmoe.sharding import state_shardings
@@ -47,6 +51,9 @@ class EngineConfig:
       step_tokens: token budget of one step (decode tokens + prefill chunks).
       chunk_size: most prompt tokens of one sequence in one step.
       prefix_cache: keep finished tenants' prefixes for reuse.
+      compile_in_background: run a step of a shape met for the first time padded to a compiled
+        shape while its own program compiles on another thread (a server's latency), instead of
+        compiling it before the step (bit-reproducible outputs). Single-process runs only.
     """
 
     cache_bytes: int = 1 << 28
@@ -56,6 +63,7 @@ class EngineConfig:
     step_tokens: int = 256
     chunk_size: int = 128
     prefix_cache: bool = True
+    compile_in_background: bool = False
 
     def __post_init__(self):
         for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size"):
@@ -139,6 +147,11 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
         self.cache = self.spec.init(sharding)
+        # What the step is lowered for ahead of time: the weights' and the pools' avals and shardings.
+        self._abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.state, self.cache)
+        )
+        self.programs = Programs(self._compile, background=config.compile_in_background and jax.process_count() == 1)
         self.scheduler = Scheduler(
             num_pages=self.spec.num_pages,
             num_slots=num_slots,
@@ -153,7 +166,8 @@ class Engine:
         # prefill_tokens: positions computed below a sequence's length at admission (prompt, or a
         # preempted sequence's prompt + output again); decode_tokens: the rest; cached_tokens: taken
         # from prefix entries instead of computed.
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0}
+        # padded_steps: steps run on a covering shape while their own program compiled.
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "padded_steps": 0}
 
     # ------------------------------------------------------------------------------------
     # Requests
@@ -255,6 +269,7 @@ class Engine:
             )
         out = self.execute(broadcast(Work(upkeep, groups, sampling)))
         self.stats["cached_tokens"] = self.scheduler.cached_tokens
+        self.stats["padded_steps"] = self.programs.padded_steps
         if not plan.rows:
             return []
         self.stats["steps"] += 1
@@ -286,35 +301,68 @@ class Engine:
 
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""
+        shape = shape_of(groups, sampling)
+        program = None if all_logits else self.programs.program(shape)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            tokens, logprobs, writes, logits = _step_jit(
-                self.graphdef, self.spec, all_logits, self.state, self.cache, groups, sampling
-            )
-            self.cache = _write_jit(self.cache, groups, writes)
+            if program is not None:
+                step, store = program
+                tokens, logprobs, writes, logits = step(self.state, self.cache, groups, sampling)
+                self.cache = store(self.cache, groups, writes)
+            else:
+                tokens, logprobs, writes, logits = _step_jit(
+                    self.graphdef, self.spec, all_logits, self.state, self.cache, groups, sampling
+                )
+                self.cache = _write_jit(self.cache, groups, writes)
+                if not all_logits:
+                    self.programs.known.add(shape)
         return (tokens, logprobs, logits) if all_logits else (tokens, logprobs)
+
+    def _compile(self, shape: Shape):
+        """The step and write programs of ``shape``, compiled ahead of time (the compiler thread)."""
+        groups, sampling = abstract_inputs(shape, self.cfg.vocab_size)
+        state, cache = self._abstract
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            lowered = _step_jit.lower(self.graphdef, self.spec, False, state, cache, groups, sampling)
+            writes = lowered.out_info[2]
+            return lowered.compile(), _write_jit.lower(cache, groups, writes).compile()
 
     def _arrays(self, plan: Plan):
         """Host arrays of the plan: the decode group (T = 1) and the prefill group, bucketed."""
         decode = [(s, n) for s, n in plan.rows if s.pending == 1]
         prefill = [(s, n) for s, n in plan.rows if s.pending > 1]
+        masks = self._masks(plan)
         # One page-table width for both groups: the step compiles per (decode rows, prefill rows,
         # chunk, width), not per width of each group as well.
         M = _bucket(max(pages_for(s.computed + n, self.config.page_size) for s, n in plan.rows), MIN_PAGES)
+        floor = min(MAX_DECODE_FLOOR, self.config.max_seqs, max(1, PADDED_ROW_PAGES // M))
+        shape = self.programs.choose(
+            Shape(
+                decode_rows=_bucket(len(decode), floor) if decode else 0,
+                prefill_rows=_bucket(len(prefill)) if prefill else 0,
+                chunk=_bucket(max(n for _, n in prefill), minimum=8) if prefill else 0,
+                pages=M,
+                masked=bool(masks),
+            )
+        )
         groups, order = [], []
-        for rows, is_decode in ((decode, True), (prefill, False)):
-            if rows:
-                groups.append(self._group(rows, is_decode, M))
-                order += [s for s, _ in rows] + [None] * (groups[-1].tokens.shape[0] - len(rows))
-        sampling = _sampling(order, self._masks(plan, order))
-        return tuple(groups), sampling, order
+        for rows, B, T in ((decode, shape.decode_rows, 1), (prefill, shape.prefill_rows, shape.chunk)):
+            if B:
+                groups.append(self._group(rows, B, T, shape.pages))
+                order += [s for s, _ in rows] + [None] * (B - len(rows))
+        mask = None
+        if shape.masked:
+            mask = np.ones((len(order), self.cfg.vocab_size), bool)
+            for b, seq in enumerate(order):
+                if seq is not None and seq.id in masks:
+                    mask[b] = masks[seq.id]
+        return tuple(groups), _sampling(order, mask), order
 
-    def _masks(self, plan: Plan, order: list) -> np.ndarray | None:
-        """``[B, V]`` allowed tokens of the rows that sample in this step, if any row is restricted:
-        by its constraint, and before ``min_tokens`` by its stop tokens (unless nothing else is allowed)."""
-        sizes = {id(s): n for s, n in plan.rows}
+    def _masks(self, plan: Plan) -> dict[int, np.ndarray]:
+        """``{sequence id: [V] allowed tokens}`` of the restricted rows that sample in this step: by
+        their constraint, and before ``min_tokens`` by their stop tokens (unless nothing else is allowed)."""
         masks = {}
-        for b, seq in enumerate(order):
-            if seq is None or seq.pending != sizes[id(seq)]:
+        for seq, n in plan.rows:
+            if seq.pending != n:
                 continue
             allowed = self._allowed(seq)
             if len(seq.output) < seq.request.min_tokens:
@@ -322,13 +370,8 @@ class Engine:
                 free[self._stop_tokens(seq.request)] = False
                 allowed = free if free.any() else allowed
             if allowed is not None:
-                masks[b] = allowed
-        if not masks:
-            return None
-        mask = np.ones((len(order), self.cfg.vocab_size), bool)
-        for b, allowed in masks.items():
-            mask[b] = allowed
-        return mask
+                masks[seq.id] = allowed
+        return masks
 
     def _allowed(self, seq: Sequence) -> np.ndarray | None:
         if seq.request.constraint is None:
@@ -347,10 +390,8 @@ class Engine:
             ids.append(self.eos_id)
         return ids
 
-    def _group(self, rows: list[tuple[Sequence, int]], is_decode: bool, M: int) -> Rows:
-        floor = min(MAX_DECODE_FLOOR, self.config.max_seqs, max(1, PADDED_ROW_PAGES // M)) if is_decode else 1
-        B = _bucket(len(rows), floor)
-        T = 1 if is_decode else _bucket(max(n for _, n in rows), minimum=8)
+    def _group(self, rows: list[tuple[Sequence, int]], B: int, T: int, M: int) -> Rows:
+        """``rows`` in a ``[B, T]`` group with ``M``-page tables (the rows past them: padding)."""
         tokens = np.zeros((B, T), np.int32)
         start = np.zeros((B,), np.int32)
         length = np.zeros((B,), np.int32)

@@ -137,6 +137,7 @@ def build_service(checkpoint: str | pathlib.Path, config: ServeConfig) -> Servic
         snapshot_slots=2 * max_seqs,
         step_tokens=max(config.step_tokens, max_seqs),
         chunk_size=config.chunk_size,
+        compile_in_background=True,  # a new shape runs padded to a compiled one instead of stalling every request
     )
     engine = Engine(model, engine_config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode)
     metrics = Metrics(TIERS)

@@ -15,6 +15,7 @@ from inference_helpers import full_forward, inference_model_config, small_engine
 from jaxmoe.config import load_config
 from jaxmoe.inference import Request, SamplingParams
 from jaxmoe.inference.engine import _step_jit
+from jaxmoe.inference.programs import Shape
 from jaxmoe.model import create_model
 
 VOCAB = 512
@@ -281,3 +282,25 @@ def test_step_compiles_for_buckets_not_requests(model):
     assert first - start < len(lengths)  # shapes come from buckets, not from each request's length
     small_engine(model).generate([Request(tuple(rng.integers(0, VOCAB, n).tolist()), max_tokens=3) for n in lengths])
     assert _step_jit._cache_size() == first  # other requests, the same buckets: no new program
+
+
+def test_a_new_shape_runs_padded_while_it_compiles(model, prompts):
+    """compile_in_background: a step of a shape the engine has not compiled runs on a compiled shape
+    that covers it (more rows, a longer chunk) and gives the same tokens; its own program compiles
+    on the compiler thread and serves the next request."""
+    engine = small_engine(model, compile_in_background=True)
+    engine.generate([Request(p, max_tokens=4) for p in prompts])  # compiles (0 decode, 4 prefill x 16 tokens) first
+    short = Shape(decode_rows=0, prefill_rows=1, chunk=8, pages=8, masked=False)  # prompts[0]: 3 tokens, alone
+    assert short not in engine.programs.known
+    ids, logprobs = _full_forward_greedy(model, prompts[0], 6)
+    padded = engine.stats["padded_steps"]
+    alone = engine.generate([Request(prompts[0], max_tokens=6)])[0]
+    assert engine.stats["padded_steps"] > padded
+    assert alone.output_ids == ids
+    np.testing.assert_allclose(alone.logprobs, logprobs, atol=1e-4)
+    engine.programs.wait()
+    assert short in engine.programs.ready
+    padded = engine.stats["padded_steps"]
+    again = engine.generate([Request(prompts[0], max_tokens=6)])[0]  # its own program now (ahead-of-time compiled)
+    assert engine.stats["padded_steps"] == padded and again.output_ids == ids
+    np.testing.assert_allclose(again.logprobs, logprobs, atol=1e-4)
