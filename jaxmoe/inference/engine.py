@@ -53,7 +53,9 @@ class EngineConfig:
       prefix_cache: keep finished tenants' prefixes for reuse.
       compile_in_background: run a step of a shape met for the first time padded to a compiled
         shape while its own program compiles on another thread (a server's latency), instead of
-        compiling it before the step (bit-reproducible outputs). Single-process runs only.
+        compiling it before the step (bit-reproducible outputs). Engines without a mesh only: on a
+        mesh the pools take the layout XLA gives the first write's output, which a program compiled
+        ahead of time from their initial layout would refuse.
     """
 
     cache_bytes: int = 1 << 28
@@ -147,11 +149,11 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
         self.cache = self.spec.init(sharding)
-        # What the step is lowered for ahead of time: the weights' and the pools' avals and shardings.
+        # What the step is lowered for ahead of time (no mesh): the weights' and the pools' avals and devices.
         self._abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.state, self.cache)
         )
-        self.programs = Programs(self._compile, background=config.compile_in_background and jax.process_count() == 1)
+        self.programs = Programs(self._compile, background=config.compile_in_background and mesh is None)
         self.scheduler = Scheduler(
             num_pages=self.spec.num_pages,
             num_slots=num_slots,
@@ -321,10 +323,9 @@ class Engine:
         """The step and write programs of ``shape``, compiled ahead of time (the compiler thread)."""
         groups, sampling = abstract_inputs(shape, self.cfg.vocab_size)
         state, cache = self._abstract
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            lowered = _step_jit.lower(self.graphdef, self.spec, False, state, cache, groups, sampling)
-            writes = lowered.out_info[2]
-            return lowered.compile(), _write_jit.lower(cache, groups, writes).compile()
+        lowered = _step_jit.lower(self.graphdef, self.spec, False, state, cache, groups, sampling)
+        writes = lowered.out_info[2]
+        return lowered.compile(), _write_jit.lower(cache, groups, writes).compile()
 
     def _arrays(self, plan: Plan):
         """Host arrays of the plan: the decode group (T = 1) and the prefill group, bucketed."""

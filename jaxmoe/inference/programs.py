@@ -8,8 +8,8 @@ grows into the next width, a burst of prompts fills more prefill rows. With ``ba
 longer chunks, a wider page table: padding rows and padding pages change no real row's result)
 while a compiler thread builds the exact program; later steps of that shape use it. Without a
 covering shape the step compiles on the spot, as it does with ``background`` off (the default of
-the engine; a multi-process run never compiles in the background, since every process must run
-the same program in the same step).
+the engine, and always on a mesh: there the pools take the layout XLA gives the first write's
+output, and every process of a multi-process run must run the same program in the same step).
 
 Padding is exact in arithmetic but not in floating-point rounding: a padded step's logits may
 differ from the exact program's in the last bits, so greedy outputs can differ where two tokens
