@@ -464,6 +464,9 @@ def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     kinds = set(m.layer_kinds)
     if kinds & {"mla", "dsa"}:
         dims["heads"].append(("model.mla.num_heads", m.mla.num_heads))
+        dims["kv_lora"] = [("model.mla.kv_lora_rank", m.mla.kv_lora_rank)]
+        if m.mla.q_lora_rank:
+            dims["q_lora"] = [("model.mla.q_lora_rank", m.mla.q_lora_rank)]
     if "dsa" in kinds:
         dims["heads"].append(("model.indexer.num_heads", m.indexer.num_heads))
     if "kda" in kinds:

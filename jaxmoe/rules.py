@@ -32,8 +32,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("head_dim", None),
-    ("q_latent", None),
-    ("kv_latent", None),
+    ("q_latent", None),  # the q latent where it is an output (q_a): embed already takes fsdp
+    ("q_lora", "fsdp"),  # the q latent as the input of q_b and the indexer's wq_b
+    ("kv_latent", None),  # the KV latent where it is an output (kv_a) or cached
+    ("kv_lora", "fsdp"),  # the KV latent as the input of kv_b
     ("ffw", "tensor"),
     ("experts", "expert"),
     ("expert_ffw", "tensor"),

@@ -29,15 +29,16 @@ from jaxmoe.rules import MESH_AXES, RULES, mesh_axes
 def logical_to_spec(axes: Sequence[str | None], rules=RULES) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec through ``rules``.
 
-    A mesh axis splits at most one dimension: when a later name's rule repeats an axis an earlier
-    dimension already uses, the later dimension drops that axis (and is replicated over it; over
-    everything if no axis is left).
+    A mesh axis splits at most one dimension of an array. Two names whose rules share a mesh axis
+    cannot both be used on one array: that is an error in the array's names or in the rules, and
+    dropping the axis from one dimension would replicate that dimension silently.
 
     Raises:
       KeyError: a name (other than None) has no rule.
+      ValueError: two dimensions' rules use the same mesh axis.
     """
     table = dict(rules)
-    out, used = [], set()
+    out, used = [], {}
     for name in axes:
         if name is None:
             out.append(None)
@@ -45,16 +46,26 @@ def logical_to_spec(axes: Sequence[str | None], rules=RULES) -> PartitionSpec:
         if name not in table:
             raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
         axes_of_dim = mesh_axes(table[name])
-        if not axes_of_dim:
-            out.append(None)
-            continue
-        clash = used & set(axes_of_dim)
-        if clash:
-            # The first dimension keeps the axis; a later one stays replicated over it.
-            axes_of_dim = tuple(a for a in axes_of_dim if a not in clash)
-        used |= set(axes_of_dim)
-        out.append(axes_of_dim[0] if len(axes_of_dim) == 1 else (axes_of_dim or None))
+        for a in axes_of_dim:
+            if a in used:
+                raise ValueError(
+                    f"logical axes {tuple(axes)}: {used[a]!r} and {name!r} both map to mesh axis {a!r} "
+                    "(a mesh axis splits at most one dimension); give one of them another logical name"
+                )
+            used[a] = name
+        out.append(None if not axes_of_dim else axes_of_dim[0] if len(axes_of_dim) == 1 else axes_of_dim)
     return PartitionSpec(*out)
+
+
+def mesh_platform() -> str:
+    """The platform the code being traced will run on: the current mesh's devices', else JAX's default.
+
+    Under an ahead-of-time compile for a TPU topology on a CPU host, ``jax.default_backend()`` is
+    ``'cpu'`` while the mesh's devices are TPU chips; choices between platform-specific ops must
+    follow the mesh.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
 
 
 # TPU kinds whose slices need a physical torus axis split between mesh axes (as jax.make_mesh does).

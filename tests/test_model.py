@@ -65,7 +65,7 @@ def test_shard_model_places_by_rules(cfg, mesh, single_device):
     model0, *_ = single_device
     model = shard_model(model0, mesh)
     spec = model.layers[0].attn.kv_b[...].sharding.spec
-    assert spec == logical_to_spec(("kv_latent", "heads", "head_dim"))
+    assert spec == logical_to_spec(("kv_lora", "heads", "head_dim"))
 
 
 def test_logits_shape_and_dtype(cfg, single_device):

@@ -52,7 +52,7 @@ class Indexer(nnx.Module):
         self.cfg = cfg
         D, Q, NI, HI = cfg.d_model, cfg.mla.q_lora_rank, ix.num_heads, ix.head_dim
         init, pdtype = normal(cfg.init_std), jnp.dtype(cfg.param_dtype)
-        self.wq_b = param(rngs, (Q, NI, HI), ("q_latent", "heads", "head_dim"), init, pdtype)
+        self.wq_b = param(rngs, (Q, NI, HI), ("q_lora", "heads", "head_dim"), init, pdtype)
         self.wk = param(rngs, (D, HI), ("embed", "head_dim"), init, pdtype)
         self.k_norm = LayerNorm(HI, _K_NORM_EPS, rngs=rngs, param_dtype=pdtype)
         self.weights_proj = param(rngs, (D, NI), ("embed", "heads"), init, pdtype)

@@ -74,13 +74,13 @@ class MLA(nnx.Module):
         if Q > 0:
             self.q_a = param(rngs, (D, Q), ("embed", "q_latent"), init, pdtype)
             self.q_a_norm = RMSNorm(Q, _LATENT_NORM_EPS, rngs=rngs, param_dtype=pdtype)
-            self.q_b = param(rngs, (Q, N, m.qk_head_dim), ("q_latent", "heads", "head_dim"), init, pdtype)
+            self.q_b = param(rngs, (Q, N, m.qk_head_dim), ("q_lora", "heads", "head_dim"), init, pdtype)
         else:
             self.q = param(rngs, (D, N, m.qk_head_dim), ("embed", "heads", "head_dim"), init, pdtype)
         self.kv_a = param(rngs, (D, C + R), ("embed", "kv_latent"), init, pdtype)
         self.kv_a_norm = RMSNorm(C, _LATENT_NORM_EPS, rngs=rngs, param_dtype=pdtype)
         self.kv_b = param(
-            rngs, (C, N, m.qk_nope_head_dim + m.v_head_dim), ("kv_latent", "heads", "head_dim"), init, pdtype
+            rngs, (C, N, m.qk_nope_head_dim + m.v_head_dim), ("kv_lora", "heads", "head_dim"), init, pdtype
         )
         self.o = param(rngs, (N, m.v_head_dim, D), ("heads", "head_dim", "embed"), init, pdtype)
 
