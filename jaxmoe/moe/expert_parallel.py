@@ -62,6 +62,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.moe.grouped import grouped_matmul
 from jaxmoe.quant.qarray import QArray
 from jaxmoe.rules import MESH_AXES, RULES, mesh_axes
+from jaxmoe.sharding import mesh_platform
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -267,7 +268,7 @@ def ragged_plan(counts: jax.Array, shard: jax.Array | int) -> tuple[RaggedPlan, 
 
 
 def _xla_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-    if jax.default_backend() == "cpu":
+    if mesh_platform() == "cpu":
         raise NotImplementedError(
             "model.moe.dispatch='ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not implement; "
             "on CPU use model.moe.dispatch='dropless' (same result) or 'capacity'"

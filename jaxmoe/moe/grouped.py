@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from jaxmoe.quant import mxfp4
 from jaxmoe.quant.qarray import QArray
+from jaxmoe.sharding import mesh_platform
 
 IMPLS = ("auto", "ragged", "blocked")
 
@@ -95,7 +96,7 @@ def grouped_matmul(
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"group_sizes must have shape [E]=({w.shape[0]},), got {group_sizes.shape}")
     if impl == "auto":
-        impl = "ragged" if jax.default_backend() in ("tpu", "gpu") else "blocked"
+        impl = "ragged" if mesh_platform() in ("tpu", "gpu") else "blocked"
     if impl == "ragged":
         return jax.lax.ragged_dot(x_sorted, w, group_sizes, precision=precision)
     x_sorted, w, group_sizes = _same_varying(x_sorted, w, group_sizes)
