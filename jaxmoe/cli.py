@@ -1,4 +1,4 @@
-"""The ``jaxmoe`` command line: ``info``, ``convert``, ``logits``, ``train``, ``generate``, ``serve``.
+"""The ``jaxmoe`` command line: ``info``, ``convert``, ``logits``, ``train``, ``compile``, ``generate``, ``serve``.
 
 Every subcommand has ``--help``. Bad arguments exit with status 2 and a message naming the
 argument; bad configs and checkpoints exit with status 1 and a message naming the field or tensor.
@@ -123,6 +123,70 @@ def _cmd_train(args) -> int:
     if jax.process_index() == 0:
         print(summary_line(summary), flush=True)
     return 0
+
+
+def _cmd_compile(args) -> int:
+    from jaxmoe.config import from_config_dict, load_config_dict  # noqa: PLC0415
+    from jaxmoe.topology import TopologyError, accelerator_topology, check_mesh  # noqa: PLC0415
+    from jaxmoe.train.overrides import apply_overrides  # noqa: PLC0415
+
+    if args.slices < 1:
+        args.parser.error(f"--slices must be a positive integer, got {args.slices}")
+    cfg = from_config_dict(apply_overrides(load_config_dict(args.config), args.overrides))
+    topology = args.topology
+    try:
+        topology = topology or accelerator_topology(args.accelerator_type)
+        if args.mesh_only:
+            report = check_mesh(cfg, topology, args.slices)
+        else:
+            from jaxmoe.aot import compile_report  # noqa: PLC0415
+
+            report = compile_report(cfg, topology, step=args.step, stage=args.stage, slices=args.slices)
+    except TopologyError as e:
+        where = f" (--accelerator-type {args.accelerator_type} is {topology})" if args.accelerator_type else ""
+        print(f"jaxmoe compile: error: {e}{where}", file=sys.stderr)
+        return 1
+    if args.accelerator_type:
+        report = {"accelerator_type": args.accelerator_type, **report}
+    print(json.dumps(report), flush=True)
+    if args.check and not report.get("fits", True):
+        print(
+            f"jaxmoe compile: the {report['step']} step needs {report['total_bytes'] / 1e9:.1f} GB per chip; "
+            f"a {topology} chip has {report['hbm_bytes'] / 1e9:.1f} GB",
+            file=sys.stderr,
+        )
+        return 3
+    return 0
+
+
+def _add_compile(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "compile",
+        help="compile a config's step for a TPU topology on this (CPU) host; one JSON line of XLA's per-chip "
+        "memory and FLOPs",
+        epilog="Example: jaxmoe compile --config configs/target.py --topology v5p:8x16x16. Needs libtpu "
+        "(pip install -e '.[tpu]') except with --mesh-only. Exit status: 0, 1 (bad config, topology or mesh), "
+        "2 (bad arguments), 3 (--check and the step does not fit).",
+    )
+    p.add_argument("--config", required=True, help="ml_collections config file (FILE or FILE:ARG)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--topology", help="TPU slice as KIND:AxBxC: v5p:4x4x4, v5p:8x16x16, v6e:16x16, v4:4x4x4")
+    where.add_argument(
+        "--accelerator-type", help="or a Cloud TPU type (v5p-128, v6e-256, v5litepod-16): its default topology"
+    )
+    p.add_argument("--slices", type=int, default=1, help="number of such slices (multi-slice, over DCN); default 1")
+    p.add_argument(
+        "--step", choices=("train", "forward"), default="train", help="the train step (default) or the forward loss"
+    )
+    p.add_argument("--stage", choices=("main", "warmup"), default="main", help="train stage (default main: sparse DSA)")
+    p.add_argument(
+        "--mesh-only",
+        action="store_true",
+        help="only check that the config's mesh has one device per chip of the slices (no compile, no libtpu)",
+    )
+    p.add_argument("--check", action="store_true", help="exit with status 3 when the compiled step does not fit")
+    p.set_defaults(fn=_cmd_compile, parser=p)
+    return p
 
 
 def _engine_config(args):
@@ -312,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_convert(sub)
     train = _add_train(sub)
+    _add_compile(sub)
     gen = _add_generate(sub)
     _add_serve(sub)
     for sp in (train, gen):
@@ -329,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     except OverrideError as e:
         parser.error(str(e))
     args = parser.parse_args(argv)
-    if overrides and args.command != "train":
-        parser.error(f"--config.KEY=VALUE flags belong to train, not {args.command}: {overrides[0][0]}")
+    if overrides and args.command not in ("train", "compile"):
+        parser.error(f"--config.KEY=VALUE flags belong to train and compile, not {args.command}: {overrides[0][0]}")
     args.overrides = overrides
     try:
         return args.fn(args)

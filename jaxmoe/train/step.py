@@ -372,14 +372,23 @@ class Trainer:
 
     def compile_step(self, stage: str, state: TrainState, inputs, targets):
         """:meth:`step_fn` compiled ahead of time (to time it); called the same way."""
-        return self._jit_step(stage).lower(self.graphdef, self.program, stage, state, inputs, targets).compile()
+        return self.lower("train", stage, state, inputs, targets).compile()
 
-    def eval_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], jax.Array]:
-        """The jitted held-out LM loss ``(state, inputs, targets) -> []`` with ``stage``'s attention."""
-        loss = jax.jit(
+    def _jit_eval(self):
+        return jax.jit(
             eval_loss,
             static_argnums=(0, 1, 2),
             in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
             out_shardings=self.replicated,
         )
+
+    def lower(self, step: str, stage: str, state: TrainState, inputs, targets) -> jax.stages.Lowered:
+        """The ``"train"`` step (:meth:`step_fn`) or the ``"forward"`` loss (:meth:`eval_fn`) lowered for
+        these arguments (arrays or ``ShapeDtypeStruct``s with shardings: an ahead-of-time compile)."""
+        jitted = {"train": self._jit_step, "forward": lambda _: self._jit_eval()}[step](stage)
+        return jitted.lower(self.graphdef, self.program, stage, state, inputs, targets)
+
+    def eval_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], jax.Array]:
+        """The jitted held-out LM loss ``(state, inputs, targets) -> []`` with ``stage``'s attention."""
+        loss = self._jit_eval()
         return lambda state, inputs, targets: loss(self.graphdef, self.program, stage, state, inputs, targets)

@@ -1,0 +1,179 @@
+"""Ahead-of-time compilation of the real steps for a TPU topology on a CPU host: per-chip memory and FLOPs.
+
+    jaxmoe compile --config configs/target.py --topology v5p:8x16x16 [--step train|forward] [--config.KEY=VALUE ...]
+
+With ``libtpu`` installed (the ``tpu`` or ``test`` extra), ``jax.experimental.topologies`` describes
+a TPU slice's devices without any TPU attached. :func:`compile_report` lays the config's mesh onto
+those devices (:func:`jaxmoe.sharding.make_mesh`, the placement ``jaxmoe train`` uses on the real
+slice), builds the abstract sharded train state and batch (``ShapeDtypeStruct`` with shardings, no
+weights allocated), lowers and compiles the very function ``jaxmoe train`` runs (its remat policy,
+optimizer state, MoE dispatch, donated state) and reads XLA's own ``memory_analysis()`` and
+``cost_analysis()`` of the program one device runs.
+
+Memory per device, as XLA reports it: ``argument_bytes`` (the state shard and the batch shard),
+``output_bytes``, ``alias_bytes`` (outputs written in place of donated arguments: the new state),
+``temp_bytes`` (activations, gradients, collectives' buffers) and ``generated_code_bytes``;
+``total_bytes = argument + output - alias + temp + generated_code`` is what the program needs at
+once, ``fits`` compares it with the device's HBM (:data:`CHIPS`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.config import Config, ConfigError
+from jaxmoe.rules import MESH_AXES
+from jaxmoe.topology import CHIPS, TopologyError, check_mesh, chip_kind
+
+STEPS = ("train", "forward")
+
+
+def topology_devices(topology: str, slices: int = 1) -> list:
+    """The devices of ``slices`` TPU slices of ``topology``, described by libtpu on this (CPU) host."""
+    chip_kind(topology)
+    try:
+        import libtpu  # noqa: F401, PLC0415  (only to say what is missing)
+    except ImportError as e:
+        raise TopologyError(
+            "jaxmoe compile needs libtpu to compile for a TPU topology: pip install -e '.[tpu]' "
+            f"(or 'jax[tpu]=={jax.__version__}')"
+        ) from e
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    kwargs = {"num_slices": slices} if slices > 1 else {}
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs).devices)
+    except Exception as e:  # libtpu rejects the name: its own message says why
+        raise TopologyError(f"--topology {topology!r}: libtpu cannot describe it: {e}") from e
+
+
+def slice_mesh(cfg: Config, topology: str, devices: list, slices: int = 1) -> jax.sharding.Mesh:
+    """The config's mesh laid onto the slices' devices, or a :class:`TopologyError` naming both."""
+    from jaxmoe.sharding import make_mesh  # noqa: PLC0415
+
+    check_mesh(cfg, topology, slices)
+    if len(devices) != cfg.mesh.num_devices:  # a chip kind with several devices a chip
+        raise TopologyError(f"topology {topology} has {len(devices)} devices for {cfg.mesh.num_devices} mesh positions")
+    try:
+        return make_mesh(cfg.mesh, devices)
+    except (ValueError, AssertionError, NotImplementedError) as e:
+        raise TopologyError(
+            f"mesh {dict(zip(MESH_AXES, cfg.mesh.shape))} does not map onto the {topology} torus: {e}"
+        ) from e
+
+
+def memory(compiled) -> dict[str, int]:
+    """XLA's per-device bytes of a compiled program (the module docstring says what each means)."""
+    m = compiled.memory_analysis()
+    out = {
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "generated_code_bytes": int(m.generated_code_size_in_bytes),
+    }
+    out["total_bytes"] = (
+        out["argument_bytes"]
+        + out["output_bytes"]
+        - out["alias_bytes"]
+        + out["temp_bytes"]
+        + out["generated_code_bytes"]
+    )
+    return out
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def lower_step(cfg: Config, mesh: jax.sharding.Mesh, step: str, stage: str = "main"):
+    """``(lowered, tokens per step)`` of ``step`` on ``mesh`` from abstract sharded inputs (no weights)."""
+    from jaxmoe.train.step import STAGES, Trainer  # noqa: PLC0415
+
+    if step not in STEPS:
+        raise ConfigError(f"--step must be one of {STEPS}, got {step!r}")
+    if stage not in STAGES:
+        raise ConfigError(f"--stage must be one of {STAGES}, got {stage!r}")
+    t = cfg.train
+    trainer = Trainer(cfg, mesh)  # outside the mesh: its abstract model draws concrete host keys
+    state = trainer.abstract_state()
+    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
+    with jax.set_mesh(mesh):
+        lowered = trainer.lower(step, stage, state, batch, batch)
+    return lowered, t.batch_size * t.seq_len
+
+
+class Compiled(NamedTuple):
+    """What :func:`compile_for` made: the JSON-able report, and the lowered and compiled step."""
+
+    report: dict[str, Any]
+    lowered: jax.stages.Lowered
+    compiled: jax.stages.Compiled
+
+
+def compile_report(
+    cfg: Config, topology: str, step: str = "train", stage: str = "main", slices: int = 1
+) -> dict[str, Any]:
+    """:func:`compile_for`'s report."""
+    return compile_for(cfg, topology, step, stage, slices).report
+
+
+def compile_for(cfg: Config, topology: str, step: str = "train", stage: str = "main", slices: int = 1) -> Compiled:
+    """Compiles ``step`` of ``cfg`` for ``topology`` and reports XLA's per-device memory and FLOPs.
+
+    Returns:
+      The report, one JSON-able record: ``topology``, ``chips``, ``devices``, ``mesh`` (axis sizes), ``step``,
+      the per-device bytes of :func:`memory`, ``hbm_bytes`` (per device), ``fits``, ``margin``
+      (the share of HBM left), ``flops_per_step`` (all devices), ``flops_per_token``,
+      ``model_flops_per_token`` (train step: the analytic count the train loop's MFU uses),
+      ``lower_s`` and ``compile_s``.
+
+    Raises:
+      TopologyError: unknown topology, no libtpu, or a mesh that does not fit the slice.
+    """
+    from jaxmoe.train.metrics import model_flops_per_token  # noqa: PLC0415
+
+    kind = chip_kind(topology)
+    chips = check_mesh(cfg, topology, slices)["chips"]  # before libtpu: a mismatch needs no TPU description
+    devices = topology_devices(topology, slices)
+    mesh = slice_mesh(cfg, topology, devices, slices)
+    start = time.perf_counter()
+    lowered, tokens = lower_step(cfg, mesh, step, stage)
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    mem = memory(compiled)
+    hbm = CHIPS[kind].hbm_bytes  # one device a chip (slice_mesh checked)
+    flops = _flops(compiled) * len(devices)
+    report = {
+        "topology": topology,
+        **({"slices": slices} if slices > 1 else {}),
+        "chips": chips,
+        "devices": len(devices),
+        "mesh": dict(zip(MESH_AXES, cfg.mesh.shape)),
+        "step": step,
+        "stage": stage,
+        "batch_size": cfg.train.batch_size,
+        "seq_len": cfg.train.seq_len,
+        "num_layers": cfg.model.num_layers,
+        "dispatch": cfg.model.moe.dispatch,
+        "remat": cfg.train.remat,
+        **mem,
+        "hbm_bytes": hbm,
+        "fits": mem["total_bytes"] <= hbm,
+        "margin": round(1 - mem["total_bytes"] / hbm, 4),
+        "flops_per_step": flops,
+        "flops_per_token": flops / tokens,
+        **({"model_flops_per_token": model_flops_per_token(cfg, stage)} if step == "train" else {}),
+        "lower_s": round(lower_s, 2),
+        "compile_s": round(compile_s, 2),
+    }
+    return Compiled(report, lowered, compiled)
