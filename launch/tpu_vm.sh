@@ -9,8 +9,11 @@
 #       --workdir gs://BUCKET/jaxmoe/target --queued \
 #       --config.mesh.data=1 --config.mesh.fsdp=128 --config.mesh.expert=16
 #
-# --dry-run prints the gcloud commands, one per line after "+ ", quoted so they can be pasted
-# into a shell, and runs nothing. Bad or missing flags exit with status 2. See docs/tpu.md.
+# Before it creates anything it checks, on this machine, that the config's mesh has one device per
+# chip of the slice (and with --preflight compiles the train step for the slice and stops unless it
+# fits; launch/slice_check.sh). --dry-run prints the gcloud commands, one per line after "+ ",
+# quoted so they can be pasted into a shell, and runs nothing on Google Cloud. Bad or missing
+# flags exit with status 2, a config that does not match or fit the slice with 1. See docs/tpu.md.
 set -euo pipefail
 
 PROG="launch/tpu_vm.sh"
@@ -49,7 +52,12 @@ Optional:
   --max-restarts N          recreate at most N times after preemptions (default 3)
   --poll-seconds S          seconds between queued-resource state checks (default 30)
   --keep                    do not delete the slice at the end
+  --preflight               compile the train step for the slice here first (jaxmoe compile, needs
+                            libtpu: pip install -e '.[tpu]') and stop unless it fits a chip
   --dry-run                 print the gcloud commands (prefixed "+ ") and run nothing
+
+The config's mesh must have one device per chip of the slice (v5p-N and v4-N have N/2 chips,
+v5litepod-N and v6e-N have N); the launcher checks it before it creates anything.
   -h, --help                this text
 EOF
 }
@@ -89,7 +97,7 @@ shell_line() {
 
 name="" zone="" project="" accel="" version="" workdir="" config="configs/target.py"
 steps="" repo="" branch="" python="python3.11" max_restarts=3 poll_seconds=30
-queued=0 spot=0 reserved=0 keep=0 dry_run=0
+queued=0 spot=0 reserved=0 keep=0 dry_run=0 preflight=0
 overrides=()
 
 while [ $# -gt 0 ]; do
@@ -107,8 +115,9 @@ while [ $# -gt 0 ]; do
       usage
       exit 0
       ;;
-    --queued | --spot | --reserved | --keep | --dry-run)
+    --queued | --spot | --reserved | --keep | --dry-run | --preflight)
       case "$arg" in
+        --preflight) preflight=1 ;;
         --queued) queued=1 ;;
         --spot) spot=1 ;;
         --reserved) reserved=1 ;;
@@ -195,6 +204,16 @@ if [ -z "$branch" ]; then
   branch=$(git -C "$ROOT" rev-parse --abbrev-ref HEAD 2>/dev/null) || branch=main
   [ "$branch" != HEAD ] || branch=main
 fi
+
+# --------------------------------------------------------------------------------------------
+# The config against the slice, here, before anything is created
+
+# shellcheck source=launch/slice_check.sh
+source "$ROOT/launch/slice_check.sh"
+check_args=(--config "$config" --accelerator-type "$accel")
+[ -z "$steps" ] || check_args+=("--config.steps=$steps")
+check_args+=("${overrides[@]+"${overrides[@]}"}")
+slice_check "$PROG" "$preflight" "${check_args[@]}"
 
 # --------------------------------------------------------------------------------------------
 # Commands

@@ -5,8 +5,11 @@
 #       --topology 8x16x16 --image REGISTRY/jaxmoe:TAG --workdir gs://BUCKET/jaxmoe/target \
 #       --config.mesh.data=2 --config.mesh.fsdp=128 --config.mesh.expert=16
 #
-# --dry-run prints the kubectl command (after "+ ") and the rendered manifest, and runs nothing.
-# Bad or missing flags exit with status 2. See docs/tpu.md.
+# Before it submits anything it checks, on this machine, that the config's mesh has one device per
+# chip of the slices (and with --preflight compiles the train step for them and stops unless it
+# fits; launch/slice_check.sh). --dry-run prints the kubectl command (after "+ ") and the rendered
+# manifest, and runs nothing on the cluster. Bad or missing flags exit with status 2, a config
+# that does not match or fit the slices with 1. See docs/tpu.md.
 set -euo pipefail
 
 PROG="launch/gke/launch.sh"
@@ -39,7 +42,13 @@ Optional:
   --steps N             passed on as --config.steps=N
   --config.KEY=VALUE    passed on to jaxmoe train unchanged (repeatable)
   --max-restarts N      JobSet failurePolicy.maxRestarts (default 10)
+  --preflight           compile the train step for the slices here first (jaxmoe compile, needs
+                        libtpu: pip install -e '.[tpu]') and stop unless it fits a chip
   --dry-run             print the kubectl command and the manifest, run nothing
+
+The config's mesh must have one device per chip of all the slices (SLICES x the topology's
+chips); the launcher checks it before it submits anything. --config is checked in this checkout,
+which must match the image.
   -h, --help            this text
 EOF
 }
@@ -62,7 +71,7 @@ yaml_string() {
 # Flags
 
 name="" accelerator="" topology="" image="" workdir="" config="configs/target.py" steps=""
-slices=1 max_restarts=10 dry_run=0
+slices=1 max_restarts=10 dry_run=0 preflight=0
 overrides=()
 
 while [ $# -gt 0 ]; do
@@ -82,6 +91,10 @@ while [ $# -gt 0 ]; do
       ;;
     --dry-run)
       dry_run=1
+      continue
+      ;;
+    --preflight)
+      preflight=1
       continue
       ;;
     --*=*)
@@ -167,6 +180,22 @@ vms_per_slice=$((chips / chips_per_vm))
 if [ "$slices" -gt 1 ] && [ "$vms_per_slice" = 1 ]; then
   usage_error "--topology $topology is a single-host slice; multi-slice (--slices $slices) needs multi-host slices"
 fi
+
+# --------------------------------------------------------------------------------------------
+# The config against the slices, here, before anything is submitted
+
+case "$accelerator" in
+  tpu-v4-podslice) kind=v4 ;;
+  tpu-v5-lite-podslice) kind=v5e ;;
+  tpu-v5p-slice) kind=v5p ;;
+  tpu-v6e-slice) kind=v6e ;;
+esac
+# shellcheck source=launch/slice_check.sh
+source "$HERE/../slice_check.sh"
+check_args=(--config "$config" --topology "$kind:$topology" --slices "$slices")
+[ -z "$steps" ] || check_args+=("--config.steps=$steps")
+check_args+=("${overrides[@]+"${overrides[@]}"}")
+slice_check "$PROG" "$preflight" "${check_args[@]}"
 
 # --------------------------------------------------------------------------------------------
 # Render

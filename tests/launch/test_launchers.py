@@ -21,9 +21,20 @@ GKE = ROOT / "launch" / "gke" / "launch.sh"
 
 NAME, ZONE, WORKDIR = "jx-test", "us-east5-a", "gs://bucket/jaxmoe/run"
 REPO, BRANCH = "https://example.com/jaxmoe.git", "dev"
+
+
+def mesh(chips, fsdp=1, expert=1):
+    """--config.mesh overrides that give a config one device per chip of a slice (data takes the rest)."""
+    return [
+        f"--config.mesh.data={chips // (fsdp * expert)}", f"--config.mesh.fsdp={fsdp}",
+        f"--config.mesh.expert={expert}", "--config.mesh.context=1", "--config.mesh.tensor=1",
+    ]  # fmt: skip
+
+
+MESH_64 = mesh(64, fsdp=4, expert=16)  # v5p-128: 64 chips
 BASE = [
     "--name", NAME, "--zone", ZONE, "--accelerator-type", "v5p-128",
-    "--workdir", WORKDIR, "--repo", REPO, "--branch", BRANCH,
+    "--workdir", WORKDIR, "--repo", REPO, "--branch", BRANCH, *MESH_64,
 ]  # fmt: skip
 TPUS = ["gcloud", "compute", "tpus"]
 
@@ -118,9 +129,9 @@ def fake(tmp_path):
     return Fake()
 
 
-def dry_run(fake, script, *args):
+def dry_run(fake, script, *args, **env):
     """The commands a dry run prints, each split back into its argv; checks nothing was run."""
-    r = fake.run(script, *args, "--dry-run")
+    r = fake.run(script, *args, "--dry-run", **env)
     assert r.returncode == 0, r.stderr
     assert fake.calls() == []
     lines = r.stdout.splitlines()
@@ -139,7 +150,7 @@ def remote_command(argv):
 
 
 def test_tpu_vm_dry_run_prints_the_exact_commands(fake):
-    cmds = dry_run(fake, TPU_VM, *BASE, "--steps", "7", "--config.mesh.fsdp=128", "--config.name=it's a run")
+    cmds = dry_run(fake, TPU_VM, *BASE, "--steps", "7", "--config.name=it's a run")
     assert len(cmds) == 4
     create, install, train, delete = cmds
     assert create == [*TPUS, "tpu-vm", "create", NAME, f"--zone={ZONE}", "--accelerator-type=v5p-128",
@@ -148,7 +159,7 @@ def test_tpu_vm_dry_run_prints_the_exact_commands(fake):
     assert install[:-1] == ssh and train[:-1] == ssh
     assert shlex.split(remote_command(train)) == [
         "cd", "~/jaxmoe", "&&", "exec", ".venv/bin/jaxmoe", "train", "--config", "configs/target.py",
-        "--workdir", WORKDIR, "--config.steps=7", "--config.mesh.fsdp=128", "--config.name=it's a run",
+        "--workdir", WORKDIR, "--config.steps=7", *MESH_64, "--config.name=it's a run",
     ]  # fmt: skip
     setup = remote_command(install)
     assert f"git clone -q --branch {BRANCH} {REPO} ~/jaxmoe" in setup
@@ -158,7 +169,7 @@ def test_tpu_vm_dry_run_prints_the_exact_commands(fake):
 
 
 def test_tpu_vm_dry_run_queued_spot_project(fake):
-    args = [*BASE, "--zone", "us-east5-b", "--accelerator-type", "v6e-256", "--project", "my-proj"]
+    args = [*BASE, "--zone", "us-east5-b", "--accelerator-type", "v6e-256", "--project", "my-proj", *mesh(256)]
     args += ["--queued", "--spot"]
     create, poll, install, train, delete = dry_run(fake, TPU_VM, *args)
     scope = ["--zone=us-east5-b", "--project=my-proj"]
@@ -170,15 +181,15 @@ def test_tpu_vm_dry_run_queued_spot_project(fake):
 
 
 @pytest.mark.parametrize(
-    "accel, extra, create_flags",
+    "accel, chips, extra, create_flags",
     [
-        ("v5litepod-16", [], ["--version=v2-alpha-tpuv5-lite"]),
-        ("v4-32", ["--reserved"], ["--version=tpu-ubuntu2204-base", "--reserved"]),
-        ("v6e-8", ["--version", "v2-alpha-tpuv6e-custom", "--spot"], ["--version=v2-alpha-tpuv6e-custom", "--spot"]),
+        ("v5litepod-16", 16, [], ["--version=v2-alpha-tpuv5-lite"]),
+        ("v4-32", 16, ["--reserved"], ["--version=tpu-ubuntu2204-base", "--reserved"]),
+        ("v6e-8", 8, ["--version", "v2-alpha-tpuv6e-custom", "--spot"], ["--version=v2-alpha-tpuv6e-custom", "--spot"]),
     ],
 )
-def test_tpu_vm_runtime_and_capacity_flags(fake, accel, extra, create_flags):
-    create = dry_run(fake, TPU_VM, *BASE, "--accelerator-type", accel, *extra)[0]
+def test_tpu_vm_runtime_and_capacity_flags(fake, accel, chips, extra, create_flags):
+    create = dry_run(fake, TPU_VM, *BASE, "--accelerator-type", accel, *mesh(chips), *extra)[0]
     assert create == [*TPUS, "tpu-vm", "create", NAME, f"--zone={ZONE}", f"--accelerator-type={accel}", *create_flags]
 
 
@@ -189,8 +200,8 @@ def test_tpu_vm_keep_skips_the_delete(fake):
 
 def test_tpu_vm_remote_commands_run_in_a_posix_shell(fake, tmp_path):
     """The printed train command, run by sh, calls jaxmoe with exactly the flags given."""
-    odd = "--config.note=a 'quoted' \"run\" & $HOME; `x`"
-    cmds = dry_run(fake, TPU_VM, *BASE, "--config", "configs/tiny.py", odd)
+    odd = "--config.name=a 'quoted' \"run\" & $HOME; `x`"
+    cmds = dry_run(fake, TPU_VM, *BASE, "--config", "configs/tiny.py", odd, *mesh(64))
     home = tmp_path / "home"
     jaxmoe = home / "jaxmoe" / ".venv" / "bin" / "jaxmoe"
     jaxmoe.parent.mkdir(parents=True)
@@ -198,16 +209,26 @@ def test_tpu_vm_remote_commands_run_in_a_posix_shell(fake, tmp_path):
     jaxmoe.chmod(0o755)
     r = subprocess.run(["sh", "-c", remote_command(cmds[2])], capture_output=True, text=True, env=dict(HOME=str(home)))
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == ["train", "--config", "configs/tiny.py", "--workdir", WORKDIR, odd]
+    assert json.loads(r.stdout) == [
+        "train",
+        "--config",
+        "configs/tiny.py",
+        "--workdir",
+        WORKDIR,
+        *MESH_64,
+        odd,
+        *mesh(64),
+    ]
     # The set-up command is valid POSIX sh too.
     assert subprocess.run(["sh", "-n", "-c", remote_command(cmds[1])]).returncode == 0
 
 
 def test_tpu_vm_repo_and_branch_default_to_this_checkout(fake, tmp_path):
     checkout = tmp_path / "checkout"
-    (checkout / "launch").mkdir(parents=True)
-    (checkout / "launch" / "tpu_vm.sh").write_text(TPU_VM.read_text())
-    args = ["--name", NAME, "--zone", ZONE, "--accelerator-type", "v5p-8", "--workdir", WORKDIR]
+    for path in ("launch/tpu_vm.sh", "launch/slice_check.sh", "configs/target.py"):
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / path).write_text((ROOT / path).read_text())
+    args = ["--name", NAME, "--zone", ZONE, "--accelerator-type", "v5p-8", "--workdir", WORKDIR, *mesh(4)]
     r = fake.run(checkout / "launch" / "tpu_vm.sh", *args, "--dry-run")
     assert r.returncode == 2 and "--repo is required" in r.stderr
 
@@ -215,7 +236,8 @@ def test_tpu_vm_repo_and_branch_default_to_this_checkout(fake, tmp_path):
     for cmd in (["init", "-q", "-b", "feature-x"], ["remote", "add", "origin", "https://example.com/fork.git"],
                 ["commit", "-q", "--allow-empty", "-m", "x"]):  # fmt: skip
         subprocess.run([*git, *cmd], check=True, capture_output=True)
-    setup = remote_command(dry_run(fake, checkout / "launch" / "tpu_vm.sh", *args)[1])
+    # The copy has no .venv of its own: its mesh check runs on this interpreter.
+    setup = remote_command(dry_run(fake, checkout / "launch" / "tpu_vm.sh", *args, JAXMOE_PYTHON=sys.executable)[1])
     assert "git clone -q --branch feature-x https://example.com/fork.git ~/jaxmoe" in setup
 
 
@@ -360,8 +382,9 @@ def gke_manifest(fake, *args):
     ],
 )
 def test_gke_renders_the_jobset(fake, accelerator, topology, slices, vms, chips):
-    odd = "--config.note=a \"b\" & c\\d: 'e'"
-    args = ["--accelerator", accelerator, "--topology", topology, "--slices", str(slices), "--steps", "100", odd]
+    odd = "--config.name=a \"b\" & c\\d: 'e'"
+    fit = mesh(slices * vms * chips)
+    args = ["--accelerator", accelerator, "--topology", topology, "--slices", str(slices), "--steps", "100", *fit, odd]
     js = gke_manifest(fake, *args)
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
     assert js["metadata"]["name"] == "jaxmoe-target"
@@ -384,22 +407,22 @@ def test_gke_renders_the_jobset(fake, accelerator, topology, slices, vms, chips)
     assert container["resources"]["limits"] == {"google.com/tpu": chips}
     assert [p["containerPort"] for p in container["ports"]] == [8471, 8080]
     assert container["command"] == [
-        "jaxmoe", "train", "--config", "configs/target.py", "--workdir", WORKDIR, "--config.steps=100", odd,
+        "jaxmoe", "train", "--config", "configs/target.py", "--workdir", WORKDIR, "--config.steps=100", *fit, odd,
     ]  # fmt: skip
 
 
-V5P_CUBE = ["--accelerator", "tpu-v5p-slice", "--topology", "4x4x4"]
+V5P_CUBE = ["--accelerator", "tpu-v5p-slice", "--topology", "4x4x4", *mesh(64)]
 
 
 def test_gke_config_and_max_restarts(fake):
     js = gke_manifest(fake, *V5P_CUBE, "--config", "configs/tiny.py", "--max-restarts", "3")
     assert js["spec"]["failurePolicy"]["maxRestarts"] == 3
     container = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["jaxmoe", "train", "--config", "configs/tiny.py", "--workdir", WORKDIR]
+    assert container["command"] == ["jaxmoe", "train", "--config", "configs/tiny.py", "--workdir", WORKDIR, *mesh(64)]
 
 
 def test_gke_applies_with_kubectl(fake):
-    r = fake.run(GKE, *GKE_BASE, "--accelerator", "tpu-v6e-slice", "--topology", "8x8")
+    r = fake.run(GKE, *GKE_BASE, "--accelerator", "tpu-v6e-slice", "--topology", "8x8", *mesh(64))
     assert r.returncode == 0, r.stderr
     assert fake.calls() == [["kubectl", "apply", "-f", "-"]]
     assert "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=jaxmoe-target" in r.stderr
@@ -425,7 +448,7 @@ V5P = ["--accelerator", "tpu-v5p-slice", "--topology", "8x16x16"]
         ([*V5P, "--image", "bad image"], "--image 'bad image'"),
         ([*V5P, "--zone", "us-east5-a"], "unknown flag --zone"),
         ([*V5P, "--config.steps"], "--config.steps needs a value"),
-        ([*V5P, "--config.note=a\tb"], "control characters"),
+        ([*V5P, "--config.name=a\tb"], "control characters"),
     ],
 )
 def test_gke_bad_flags_exit_2_naming_the_flag(fake, args, message):
@@ -457,3 +480,59 @@ def test_docs_show_the_real_dry_run_output(fake):
     assert r.returncode == 0, r.stderr
     doc = (ROOT / "docs" / "tpu.md").read_text()
     assert r.stdout in doc
+
+
+# --------------------------------------------------------------------------------------------
+# Both launchers: the config against the slice, before anything is created
+
+
+TARGET_MESH = "mesh {'data': 4, 'fsdp': 16, 'expert': 32, 'context': 1, 'tensor': 1} has 2048 devices"
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_tpu_vm_refuses_a_mesh_that_is_not_the_slice_before_creating_it(fake, dry):
+    args = [a for a in BASE if a not in MESH_64]  # the target's own 2,048-device mesh on a 64-chip v5p-128
+    r = fake.run(TPU_VM, *args, *(["--dry-run"] if dry else []))
+    assert r.returncode == 1 and r.stdout == "" and fake.calls() == []
+    assert TARGET_MESH in r.stderr and "topology v5p:4x4x4 has 64" in r.stderr
+    assert "(--accelerator-type v5p-128 is v5p:4x4x4)" in r.stderr and "nothing was created" in r.stderr
+
+
+def test_gke_refuses_a_mesh_that_is_not_all_the_slices(fake):
+    r = fake.run(GKE, *GKE_BASE, "--accelerator", "tpu-v5p-slice", "--topology", "8x16x16", "--slices", "2")
+    assert r.returncode == 1 and r.stdout == "" and fake.calls() == []
+    assert TARGET_MESH in r.stderr and "2 slices of topology v5p:8x16x16 have 4096" in r.stderr
+
+
+# A Python for the launchers whose `jaxmoe compile --check` (the preflight) reports FAKE_FITS and
+# records its argv; everything else (the mesh check) is the real jaxmoe.
+FAKE_PY = """
+import json, os, subprocess, sys
+argv = sys.argv[1:]
+if argv[:3] == ["-m", "jaxmoe", "compile"] and "--check" in argv:
+    with open(os.path.join(os.environ["FAKE_DIR"], "preflight.json"), "w") as f:
+        json.dump(argv[3:], f)
+    fits = os.environ["FAKE_FITS"] == "1"
+    print(json.dumps({"topology": "v5p:4x4x4", "step": "train", "fits": fits, "total_bytes": 1, "hbm_bytes": 2}))
+    sys.exit(0 if fits else 3)
+sys.exit(subprocess.call([%r, *argv]))
+"""
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_preflight_compiles_for_the_slice_and_stops_unless_it_fits(fake, fits):
+    py = fake.dir / "py"
+    py.write_text(f"#!{sys.executable}\n" + FAKE_PY % sys.executable)
+    py.chmod(0o755)
+    r = fake.run(TPU_VM, *BASE, "--steps", "5", "--preflight", JAXMOE_PYTHON=str(py), FAKE_FITS=str(int(fits)))
+    preflight = json.loads((fake.dir / "preflight.json").read_text())
+    assert preflight == [
+        "--config", "configs/target.py", "--accelerator-type", "v5p-128", "--config.steps=5", *MESH_64, "--check",
+    ]  # fmt: skip
+    assert '"fits": ' in r.stderr  # the compile's JSON line is shown
+    if fits:
+        assert r.returncode == 0, r.stderr
+        assert kinds(fake.calls())[0] == "tpu-vm create"
+    else:
+        assert r.returncode == 1 and fake.calls() == []
+        assert "does not fit a chip" in r.stderr and "nothing was created" in r.stderr
