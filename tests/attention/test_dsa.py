@@ -150,7 +150,7 @@ def test_indexer_param_shapes_and_axes():
     ix = DSA(cfg, rngs=nnx.Rngs(0)).indexer
     got = {name: (tuple(getattr(ix, name).shape), getattr(ix, name).axes) for name in ("wq_b", "wk", "weights_proj")}
     assert got == {
-        "wq_b": ((Q, NI, HI), ("q_latent", "heads", "head_dim")),
+        "wq_b": ((Q, NI, HI), ("q_lora", "heads", "head_dim")),
         "wk": ((D, HI), ("embed", "head_dim")),
         "weights_proj": ((D, NI), ("embed", "heads")),
     }

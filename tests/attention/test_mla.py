@@ -158,9 +158,9 @@ def test_param_shapes_and_axes():
     }
     assert got == {
         "q_a": ((D, Q), ("embed", "q_latent")),
-        "q_b": ((Q, N, NOPE + ROPE), ("q_latent", "heads", "head_dim")),
+        "q_b": ((Q, N, NOPE + ROPE), ("q_lora", "heads", "head_dim")),
         "kv_a": ((D, C + ROPE), ("embed", "kv_latent")),
-        "kv_b": ((C, N, NOPE + V), ("kv_latent", "heads", "head_dim")),
+        "kv_b": ((C, N, NOPE + V), ("kv_lora", "heads", "head_dim")),
         "o": ((N, V, D), ("heads", "head_dim", "embed")),
     }
 
