@@ -51,11 +51,10 @@ def topology_devices(topology: str, slices: int = 1) -> list:
         raise TopologyError(f"--topology {topology!r}: libtpu cannot describe it: {e}") from e
 
 
-def slice_mesh(cfg: Config, topology: str, devices: list, slices: int = 1) -> jax.sharding.Mesh:
-    """The config's mesh laid onto the slices' devices, or a :class:`TopologyError` naming both."""
+def slice_mesh(cfg: Config, topology: str, devices: list) -> jax.sharding.Mesh:
+    """The config's mesh (:func:`check_mesh`-ed) laid onto the slices' devices, or a :class:`TopologyError`."""
     from jaxmoe.sharding import make_mesh  # noqa: PLC0415
 
-    check_mesh(cfg, topology, slices)
     if len(devices) != cfg.mesh.num_devices:  # a chip kind with several devices a chip
         raise TopologyError(f"topology {topology} has {len(devices)} devices for {cfg.mesh.num_devices} mesh positions")
     try:
@@ -87,10 +86,7 @@ def memory(compiled) -> dict[str, int]:
 
 
 def _flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
+    return float((compiled.cost_analysis() or {}).get("flops", 0.0))
 
 
 def lower_step(cfg: Config, mesh: jax.sharding.Mesh, step: str, stage: str = "main"):
@@ -143,7 +139,7 @@ def compile_for(cfg: Config, topology: str, step: str = "train", stage: str = "m
     kind = chip_kind(topology)
     chips = check_mesh(cfg, topology, slices)["chips"]  # before libtpu: a mismatch needs no TPU description
     devices = topology_devices(topology, slices)
-    mesh = slice_mesh(cfg, topology, devices, slices)
+    mesh = slice_mesh(cfg, topology, devices)
     start = time.perf_counter()
     lowered, tokens = lower_step(cfg, mesh, step, stage)
     lower_s = time.perf_counter() - start

@@ -385,7 +385,7 @@ class Trainer:
     def lower(self, step: str, stage: str, state: TrainState, inputs, targets) -> jax.stages.Lowered:
         """The ``"train"`` step (:meth:`step_fn`) or the ``"forward"`` loss (:meth:`eval_fn`) lowered for
         these arguments (arrays or ``ShapeDtypeStruct``s with shardings: an ahead-of-time compile)."""
-        jitted = {"train": self._jit_step, "forward": lambda _: self._jit_eval()}[step](stage)
+        jitted = self._jit_step(stage) if step == "train" else self._jit_eval()
         return jitted.lower(self.graphdef, self.program, stage, state, inputs, targets)
 
     def eval_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], jax.Array]:
