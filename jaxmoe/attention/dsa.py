@@ -185,15 +185,7 @@ class DSA(MLA):
         if self.dense_attention:
             return super().__call__(x, positions)
         with jax.named_scope("dsa"):
-            q_latent = self.query_latent(x)
-            q_nope, q_rope = self.queries(x, positions, q_latent)
-            q_cat = jnp.concatenate([self.absorb_query(q_nope), q_rope.astype(q_nope.dtype)], axis=-1)  # [B, T, N, C+R]
-            c_kv, k_rope = self.latents(x, positions)
-            latents = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [B, S, C+R]
-            x_i, q_latent_i = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
-            with jax.named_scope("indexer"):
-                q_index, w_index = self.indexer.query_terms(x_i, q_latent_i, positions)
-                k_index = self.indexer.keys(x_i, positions)
+            q_index, w_index, q_cat, k_index, latents = self.streamed_operands(x, positions)
             o_latent = sparse_dsa(
                 q_index,
                 w_index,
@@ -208,3 +200,23 @@ class DSA(MLA):
                 blocks=self.blocks,
             )
             return self.output_from_latent(o_latent)
+
+    def streamed_operands(self, x: jax.Array, positions: jax.Array):
+        """The per-token operands of the streamed path (:func:`sparse_dsa`) for ``x[B, T, D]``.
+
+        Returns:
+            ``(q_index[B, T, NI, HI], w_index[B, T, NI], q_cat[B, T, N, C+R], k_index[B, T, HI],
+            latents[B, T, C+R])``: the indexer's queries, head weights and keys (computed from
+            detached inputs: the indexer is trained by its own loss), the absorbed MLA queries
+            ``[q_nope kv_b_k, q_rope]`` and the keys' latents ``[c_kv, k_rope]``.
+        """
+        q_latent = self.query_latent(x)
+        q_nope, q_rope = self.queries(x, positions, q_latent)
+        q_cat = jnp.concatenate([self.absorb_query(q_nope), q_rope.astype(q_nope.dtype)], axis=-1)
+        c_kv, k_rope = self.latents(x, positions)
+        latents = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+        x_i, q_latent_i = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+        with jax.named_scope("indexer"):
+            q_index, w_index = self.indexer.query_terms(x_i, q_latent_i, positions)
+            k_index = self.indexer.keys(x_i, positions)
+        return q_index, w_index, q_cat, k_index, latents

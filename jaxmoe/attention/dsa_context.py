@@ -30,6 +30,12 @@ belong to the visiting shard (a shard none of a block's selections falls in is s
 indices are global (``shard * S_local + s``), so the selection equals the unsharded one. No
 array anywhere has both a query and a key dimension longer than a block.
 
+**The indexer's sparse-stage loss** (:func:`selection_terms`) runs the same selection, then two
+walks of the latents round the ring give each selected entry's main-attention probability
+(summed over heads; the first walk finds each head's softmax maximum and normaliser), and one
+walk of the indexer keys gives the selected entries' index scores with their gradient: ``[B, T,
+K]`` arrays, never ``[T, S]``.
+
 Selection carries no gradient (as in the reference, whose indexer runs under ``no_grad``);
 gradients reach queries and latents through the attention, and through ``ppermute``'s transpose
 round the ring back to the shard that owns them.
@@ -281,6 +287,162 @@ def _dsa_shard(q_index, w_index, q_cat, q_pos, k_index, latents, k_pos, *, topk,
 
 
 # --------------------------------------------------------------------------------------------
+# The indexer's sparse-stage loss terms, over the selected entries only
+
+
+def _gather(values, idx, base, S):
+    """``values[B, S, ...]`` (global indices ``base .. base + S``) at ``idx[B, T, K]``:
+    ``([B, T, K, ...], here[B, T, K])``, ``here`` where the index lies in this shard."""
+    here = (idx >= base) & (idx < base + S)
+    return jax.vmap(lambda v, i: v[i])(values, jnp.clip(idx - base, 0, S - 1)), here
+
+
+def _in_shard(idx, valid, base, S):
+    """Whether any valid index lies in the shard holding ``base .. base + S`` (else its visit is skipped)."""
+    return jnp.any(valid & (idx >= base) & (idx < base + S))
+
+
+def _ring_walk(fold, blocks, carry, values, shard, ring):
+    """Folds every shard's ``values`` into per-query-block ``carry``: ``fold(xs, values, base)``
+    gets one block's slice of ``blocks + carry`` and returns its new ``carry`` slice; ``values``
+    (global indices from ``base``) go round the ring."""
+    S = values.shape[1]
+    perm = [(i, (i + 1) % ring) for i in range(ring)]
+
+    def visit(c, step):
+        carry, vals = c
+        base = ((shard - step) % ring) * S
+        _, carry = jax.lax.scan(lambda _, xs: (None, fold(xs, vals, base)), None, (*blocks, *carry))
+        if ring > 1:
+            vals = jax.lax.ppermute(vals, CONTEXT, perm)
+        return (carry, vals), None
+
+    (carry, _), _ = jax.lax.scan(visit, (tuple(carry), values), jnp.arange(ring))
+    return carry
+
+
+def _selected_probs(q_blocks, idx, valid, latents, shard, *, scale, ring):
+    """The main attention's probabilities over each query's selected entries, summed over heads.
+
+    Two walks round the ring: the first finds each head's softmax maximum and normaliser over the
+    selection, the second adds up each visiting shard's entries. No gradient is taken through it.
+
+    Args:
+        q_blocks: ``[na, B, ba, N, C+R]``; idx, valid: ``[na, B, ba, K]`` (global key indices).
+        latents: ``[B, S, C+R]`` this shard's latents.
+
+    Returns:
+        ``[na, B, ba, K]`` float32 ``sum_n p[n, k]``, zero where not valid.
+    """
+    S = latents.shape[1]
+
+    def logits_at(q, i, v, lat, base):
+        sel, here = _gather(lat, i, base, S)  # [B, ba, K, C+R]
+        here &= v
+        logits = jnp.einsum("BTNC,BTKC->BTNK", q, sel, preferred_element_type=jnp.float32) * scale
+        return jnp.where(here[:, :, None, :], logits, -jnp.inf), here
+
+    def stats(xs, lat, base):
+        q, i, v, m, l = xs
+
+        def update(m, l):
+            logits, _ = logits_at(q, i, v, lat, base)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            l = l * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(logits - m_safe[..., None]), axis=-1)
+            return m_new, l
+
+        return jax.lax.cond(_in_shard(i, v, base, S), update, lambda *c: c, m, l)
+
+    def probs(xs, lat, base):
+        q, i, v, m, l, p = xs
+
+        def add(p):
+            logits, here = logits_at(q, i, v, lat, base)
+            p_heads = (
+                jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]) / jnp.where(l > 0, l, 1.0)[..., None]
+            )
+            return jnp.where(here, jnp.sum(p_heads, axis=2), p)
+
+        return (jax.lax.cond(_in_shard(i, v, base, S), add, lambda p: p, p),)
+
+    na, B, ba, N = q_blocks.shape[:4]
+    zeros = varying(jnp.zeros((na, B, ba, N), jnp.float32), q_blocks)
+    m, l = _ring_walk(stats, (q_blocks, idx, valid), (jnp.full_like(zeros, -jnp.inf), zeros), latents, shard, ring)
+    p = varying(jnp.zeros(idx.shape, jnp.float32), q_blocks)
+    (p,) = _ring_walk(probs, (q_blocks, idx, valid, m, l), (p,), latents, shard, ring)
+    return p
+
+
+def _selected_scores(q_idx, w_idx, idx, valid, k_index, shard, *, ring):
+    """The index scores of each query's selected keys, differentiable in the indexer's queries,
+    weights and keys (the keys' gradient goes back round the ring to the shard that owns them).
+
+    Args:
+        q_idx: ``[nq, B, bq, NI, HI]``; w_idx: ``[nq, B, bq, NI]``; idx, valid: ``[nq, B, bq, K]``.
+        k_index: ``[B, S, HI]`` this shard's indexer keys.
+
+    Returns:
+        ``[nq, B, bq, K]`` float32 (zero where not valid).
+    """
+    S = k_index.shape[1]
+
+    def scores(xs, keys, base):
+        q, w, i, v, s = xs
+
+        @jax.checkpoint  # the gathered [B, bq, K, HI] keys are rebuilt in the backward pass
+        def at(q, w, keys):
+            sel, here = _gather(keys, i, base, S)
+            dots = jnp.einsum("BTNH,BTKH->BTNK", q, sel, preferred_element_type=jnp.float32)
+            return jnp.where(here & v, jnp.einsum("BTN,BTNK->BTK", w, jax.nn.relu(dots)), s)
+
+        return (jax.lax.cond(_in_shard(i, v, base, S), at, lambda *_: s, q, w, keys),)
+
+    s = varying(jnp.zeros(idx.shape, jnp.float32), q_idx)
+    (s,) = _ring_walk(scores, (q_idx, w_idx, idx, valid), (s,), k_index, shard, ring)
+    return s
+
+
+def _selection_terms_shard(q_index, w_index, q_cat, q_pos, k_index, latents, k_pos, *, topk, scale, blocks, ring):
+    """:func:`selection_terms` on one shard's queries (local arrays; ``ring`` as in :func:`_dsa_shard`)."""
+    B, T, N, _ = q_cat.shape
+    S = k_pos.shape[1]
+    K = min(topk, S * ring)
+    chunk, bq, ba, lay = _sizes(T, S, K, blocks, ring)
+    T_pad = _round_up(T, chunk)
+    shard = jax.lax.axis_index(CONTEXT) if ring > 1 else 0
+
+    def per_chunk(x, size):  # [B, T_pad, ...] -> [T_pad/chunk, chunk/size, B, size, ...]
+        return jax.vmap(lambda c: _blocks(c, size))(_blocks(x, chunk))
+
+    q_in = (
+        per_chunk(_pad(q_index, 1, T_pad, 0), bq),
+        per_chunk(_pad(w_index.astype(jnp.float32), 1, T_pad, 0), bq),
+        per_chunk(_pad(q_pos, 1, T_pad, -1), bq),
+        per_chunk(_pad(jax.lax.stop_gradient(q_cat), 1, T_pad, 0), ba),
+    )
+    keys = (_blocks(_pad(k_index, 1, lay.S_pad, 0), lay.bk), _blocks(_pad(k_pos, 1, lay.S_pad, _NEVER), lay.bk))
+    latents = jax.lax.stop_gradient(latents)
+
+    def one_chunk(_, xs):
+        q_idx, w_idx, qp, q = xs
+        with jax.named_scope("dsa_select"):
+            detached = jax.lax.stop_gradient((q_idx, w_idx, keys))
+            vals, idx = select_chunk(detached[0], detached[1], qp, detached[2], shard, lay)  # [nq, B, bq, K]
+            valid = jnp.isfinite(vals)
+        per_query = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, chunk, K)  # noqa: E731  [n, B, b, K] -> [B, chunk, K]
+        to_attn = lambda x: _blocks(per_query(x), ba)  # noqa: E731
+        with jax.named_scope("dsa_target"):
+            target = _selected_probs(q, to_attn(idx), to_attn(valid), latents, shard, scale=scale, ring=ring)
+        with jax.named_scope("dsa_selected_scores"):
+            scores = _selected_scores(q_idx, w_idx, idx, valid, k_index, shard, ring=ring)
+        return None, (per_query(target), per_query(scores), per_query(valid))
+
+    _, out = jax.lax.scan(one_chunk, None, q_in)  # each [T_pad/chunk, B, chunk, K]
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(B, T_pad, K)[:, :T] for x in out)
+
+
+# --------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -321,17 +483,55 @@ def sparse_dsa(
         query that sees no key gets zeros. Gradients flow to ``q_cat`` and ``latents`` only.
     """
     idx_in = jax.lax.stop_gradient((q_index, w_index, k_index))
-    ring = context_parallel_size()
+    args = (idx_in[0], idx_in[1], q_cat, q_pos, idx_in[2], latents, k_pos)
     kw = dict(topk=topk, scale=scale, latent_dim=latent_dim, blocks=blocks)
+    return _on_context_shards(_dsa_shard, args, kw, out_ndims=4)
+
+
+def selection_terms(
+    q_index: jax.Array,
+    w_index: jax.Array,
+    q_cat: jax.Array,
+    q_pos: jax.Array,
+    k_index: jax.Array,
+    latents: jax.Array,
+    k_pos: jax.Array,
+    *,
+    topk: int,
+    scale: float,
+    blocks: DSABlocks = DSABlocks(),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the indexer's sparse-stage KL loss needs, per query and selected key, without ``[T, S]`` arrays.
+
+    The selection is :func:`sparse_dsa`'s (the same streamed top-K, context-parallel likewise).
+    Args as :func:`sparse_dsa` (``latent_dim`` is not needed).
+
+    Returns:
+        ``(probs, scores, valid)``, each ``[B, T, K]`` over one query's K selected keys (in no
+        particular order): ``probs`` the main attention's probabilities summed over heads (no
+        gradient), ``scores`` the index scores (differentiable in ``q_index``, ``w_index`` and
+        ``k_index``), ``valid`` where a key was selected (a query with fewer than K visible keys
+        has invalid entries; both arrays are zero there).
+    """
+    args = (q_index, w_index, q_cat, q_pos, k_index, latents, k_pos)
+    kw = dict(topk=topk, scale=scale, blocks=blocks)
+    return _on_context_shards(_selection_terms_shard, args, kw, out_ndims=(3, 3, 3))
+
+
+def _on_context_shards(fn, args, kw, *, out_ndims):
+    """``fn(*args, ring=P, **kw)`` on the whole sequence (P = 1), or, when the mesh's ``context``
+    axis is P > 1, inside ``jax.shard_map`` on each shard's tokens. ``args`` as :func:`sparse_dsa`'s
+    positional arguments; ``out_ndims``: the rank of each output (batch and tokens leading)."""
+    ring = context_parallel_size()
     if ring == 1:
-        return _dsa_shard(idx_in[0], idx_in[1], q_cat, q_pos, idx_in[2], latents, k_pos, ring=1, **kw)
-    for name, a in (("q_cat", q_cat), ("latents", latents)):
+        return fn(*args, ring=1, **kw)
+    for name, a in (("q_cat", args[2]), ("latents", args[5])):
         if a.shape[1] % ring:
             raise ValueError(
                 f"DSA context parallelism: {name} has sequence length {a.shape[1]}, which must be a multiple "
                 f"of the mesh's 'context' axis size {ring}"
             )
-    args = (idx_in[0], idx_in[1], q_cat, q_pos, idx_in[2], latents, k_pos)
-    fn = functools.partial(_dsa_shard, ring=ring, **kw)
-    in_specs = tuple(token_spec(a.shape[0], a.ndim) for a in args)
-    return jax.shard_map(fn, in_specs=in_specs, out_specs=token_spec(q_cat.shape[0], 4))(*args)
+    batch = args[2].shape[0]
+    in_specs = tuple(token_spec(batch, a.ndim) for a in args)
+    out_specs = jax.tree.map(lambda n: token_spec(batch, n), out_ndims)
+    return jax.shard_map(functools.partial(fn, ring=ring, **kw), in_specs=in_specs, out_specs=out_specs)(*args)

@@ -8,8 +8,10 @@ The indexer is aligned with the main attention by a KL divergence. For query ``t
 - Sparse stage (``sparse=True``): both distributions live on the selected set ``S_t``: the target
   is the (sparse) main attention over ``S_t`` summed over heads and renormalised over ``S_t``,
   and the indexer distribution is ``softmax(I[t, S_t])``. The main attention in this stage only
-  sees ``S_t``, so its probabilities are the ones the model actually used; no dense ``[T, S]``
-  attention is computed.
+  sees ``S_t``, so its probabilities are the ones the model actually used. Everything comes from
+  the streamed selection (:func:`jaxmoe.attention.dsa_context.selection_terms`, context-parallel
+  under a ``context`` mesh axis): no array has both a query and a key dimension, so the loss
+  trains at the lengths the layer runs at. (The warm-up stage is dense by definition.)
 
 The report sums over tokens; we return the **mean over batch and query tokens** so the scale does
 not depend on batch or sequence length. The indexer's inputs (``x`` and the q latent) and the
@@ -25,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.attention.dsa import DSA
-from jaxmoe.attention.mla import causal_mask
+from jaxmoe.attention.dsa_context import selection_terms
+from jaxmoe.attention.mla import causal_mask, softmax_scale
 
 
 def kl_to_target(target: jax.Array, scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -64,15 +67,24 @@ def indexer_kl_loss(module: DSA, x: jax.Array, positions: jax.Array, *, sparse: 
     """
     with jax.named_scope("indexer_kl_loss"):
         x = jax.lax.stop_gradient(x)
-        q_latent = jax.lax.stop_gradient(module.query_latent(x))
-        scores = module.indexer(x, q_latent, positions)  # [B, T, S]
         if not sparse:
+            q_latent = jax.lax.stop_gradient(module.query_latent(x))
+            scores = module.indexer(x, q_latent, positions)  # [B, T, S]
             target = _head_summed_target(module.attention_probs(x, positions))  # [B, T, S]
             kl = kl_to_target(target, scores, causal_mask(positions, positions))
         else:
-            indices, valid = module.indexer.select(scores, positions)  # [B, T, K]
-            _, probs = module.sparse_attention(x, positions, indices, valid, q_latent)  # [B, T, N, K]
-            target = _head_summed_target(probs)
-            selected = jnp.take_along_axis(scores, indices, axis=-1)  # [B, T, K]
-            kl = kl_to_target(target, selected, valid)
+            q_index, w_index, q_cat, k_index, latents = module.streamed_operands(x, positions)
+            probs, scores, valid = selection_terms(
+                q_index,
+                w_index,
+                q_cat,
+                positions,
+                k_index,
+                latents,
+                positions,
+                topk=module.cfg.indexer.topk,
+                scale=softmax_scale(module.cfg),
+                blocks=module.blocks,
+            )  # each [B, T, K]
+            kl = kl_to_target(probs / jnp.sum(probs, axis=-1, keepdims=True), scores, valid)
         return jnp.mean(kl)

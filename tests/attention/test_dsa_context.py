@@ -5,8 +5,10 @@
 - ``DSA.__call__`` (streamed) equals the dense ``select`` + ``sparse_attention``, forward and
   gradient with respect to the input and every parameter.
 - Context-parallel over 2, 4 and 8 shards equals the unsharded layer, forward and gradient.
-- Neither path builds an array with a query and a key dimension (jaxpr and compiled HLO), while
-  the same check finds the dense reference's ``[B, T, S]``.
+- The indexer's sparse-stage KL loss from the streamed selection equals the one from the dense
+  reference, value and indexer gradients, on one device and context-parallel.
+- Neither path, nor the loss, builds an array with a query and a key dimension (jaxpr and
+  compiled HLO), while the same check finds the dense reference's ``[B, T, S]``.
 """
 
 import functools
@@ -23,6 +25,7 @@ from jaxmoe.attention.dsa_context import DSABlocks, streamed_topk
 from jaxmoe.attention.dsa_topk import index_scores
 from jaxmoe.config import IndexerConfig, MeshConfig, MLAConfig, ModelConfig
 from jaxmoe.sharding import make_mesh
+from jaxmoe.train.dsa_loss import indexer_kl_loss, kl_to_target
 
 ATOL = 1e-5
 B, T, TOPK = 2, 152, 24  # T = 8 * 19: odd local lengths on every ring
@@ -216,6 +219,72 @@ def test_context_parallel_equals_unsharded(context):
     _assert_close(got, want)
 
 
+# --------------------------------------------------------------------------------------------
+# The indexer's sparse-stage loss
+
+
+def _dense_sparse_stage_loss(m, x, positions):
+    """The sparse-stage KL from the dense reference: ``[B, T, S]`` scores, ``top_k``, gathered attention."""
+    x = jax.lax.stop_gradient(x)
+    q_latent = jax.lax.stop_gradient(m.query_latent(x))
+    scores = m.indexer(x, q_latent, positions)
+    indices, valid = m.indexer.select(scores, positions)
+    _, probs = m.sparse_attention(x, positions, indices, valid, q_latent)
+    target = jnp.sum(jax.lax.stop_gradient(probs), axis=2)
+    target /= jnp.sum(target, axis=-1, keepdims=True)
+    return jnp.mean(kl_to_target(target, jnp.take_along_axis(scores, indices, axis=-1), valid))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _indexer_loss_and_grads(graphdef, state, x, positions, dense):
+    def f(state):
+        m = nnx.merge(graphdef, state)
+        return _dense_sparse_stage_loss(m, x, positions) if dense else indexer_kl_loss(m, x, positions, sparse=True)
+
+    return jax.value_and_grad(f)(state)
+
+
+def _indexer_loss(model, x, positions, dense):
+    graphdef, state = nnx.split(model)
+    loss, grads = _indexer_loss_and_grads(graphdef, state, x, positions, dense)
+    return float(loss), {k: np.asarray(v) for k, v in nnx.to_flat_state(grads)}
+
+
+def _assert_same_indexer_loss(got, want):
+    assert got[1].keys() == want[1].keys()
+    np.testing.assert_allclose(got[0], want[0], atol=ATOL, rtol=0)
+    for name in want[1]:
+        np.testing.assert_allclose(got[1][name], want[1][name], atol=ATOL, rtol=0, err_msg=str(name))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streamed_indexer_loss_equals_dense(seed):
+    model = _model(seed)
+    w = model.indexer.weights_proj
+    w[...] = w[...] * 4.0  # sharper index scores: a KL of O(1), so the tolerance is demanding
+    x, _, positions = _inputs(seed)
+    _assert_no_boundary_ties(_dense_scores(model, x, positions), TOPK)
+    want = _indexer_loss(model, x, positions, dense=True)
+    got = _indexer_loss(model, x, positions, dense=False)
+    assert want[0] > 0.1
+    indexer = [name for name in want[1] if name[0] == "indexer"]
+    assert indexer and min(np.abs(want[1][name]).max() for name in indexer) > 1e-4
+    assert all(np.all(g == 0) for name, g in want[1].items() if name[0] != "indexer")
+    _assert_same_indexer_loss(got, want)
+
+
+@pytest.mark.parametrize("context", sorted(MESHES))
+def test_context_parallel_indexer_loss_equals_unsharded(context):
+    model = _model(10 + context)
+    x, _, positions = _inputs(10 + context)
+    _assert_no_boundary_ties(_dense_scores(model, x, positions), TOPK)
+    want = _indexer_loss(model, x, positions, dense=False)
+    with jax.set_mesh(make_mesh(MESHES[context])):
+        got = _indexer_loss(model, x, positions, dense=False)
+    assert want[0] > 0.01
+    _assert_same_indexer_loss(got, want)
+
+
 def test_context_parallel_length_must_divide():
     model = _model(0)
     x, _, positions = _inputs(0, t=T - 1)
@@ -270,15 +339,18 @@ def _long_setup():
     def grad(state, x, positions):
         return jax.grad(lambda s, x: jnp.sum(forward(s, x, positions)), argnums=(0, 1))(state, x)
 
-    return model, state, x, positions, forward, grad
+    def indexer_loss_grad(state, x, positions):
+        return jax.grad(lambda s: indexer_kl_loss(nnx.merge(graphdef, s), x, positions, sparse=True))(state)
+
+    return model, state, x, positions, forward, grad, indexer_loss_grad
 
 
 @pytest.mark.parametrize("context", [1, 8])
 def test_no_query_by_key_array(context):
-    _, state, x, positions, forward, grad = _long_setup()
+    _, state, x, positions, forward, grad, indexer_loss_grad = _long_setup()
     mesh = make_mesh(MESHES[8] if context == 8 else MeshConfig(data=8))
     with jax.set_mesh(mesh):
-        for fn in (forward, grad):
+        for fn in (forward, grad, indexer_loss_grad):
             jaxpr = jax.make_jaxpr(fn)(state, x, positions).jaxpr
             assert not _query_by_key(_jaxpr_shapes(jaxpr), LONG, LONG), fn.__name__
         hlo = jax.jit(forward).lower(state, x, positions).compile().as_text()
@@ -289,7 +361,7 @@ def test_no_query_by_key_array(context):
 
 
 def test_check_finds_the_dense_reference():
-    model, state, x, positions, _, _ = _long_setup()
+    model, state, x, positions, *_ = _long_setup()
     graphdef = nnx.graphdef(model)
 
     def dense(state, x, positions):
