@@ -1,14 +1,22 @@
 """Per-array checksums and verified Orbax restores.
 
 Orbax/TensorStore do not notice a flipped byte inside a compressed array chunk: the chunk decodes
-to wrong values and restore succeeds. jaxmoe therefore records, at save time, a CRC-32 of every
-array's exact bytes (C order, the global array, independent of how it was sharded) together with
-its shape and dtype, and recomputes it after every restore. CRC-32 detects every corruption that
-touches at most 4 consecutive bytes of an array, and any other with probability 1 - 2**-32.
+to wrong values and restore succeeds. jaxmoe therefore records, at save time, a 64-bit digest of
+every array's exact bits together with its shape and dtype, and recomputes it after every
+restore.
 
-Cost: computing the CRC brings each array to the host, one array at a time (a gather of the
-global value when sharded; ``process_allgather`` when it spans processes), so host memory grows
-by at most the largest array; zlib's CRC-32 runs at several GB/s per core.
+The digest (:data:`CHECKSUM_ALGORITHM`) is a sum over elements, so it is computed where the
+array lies: each element's bits are mixed with a hash of its global index (two 32-bit lanes of
+the murmur3 finaliser, each a bijection of the bits at a given index) and the lanes are summed
+modulo 2**32. XLA reduces each device's shard and adds the partial sums (an all-reduce of two
+words), so no device, host or process ever holds an array it does not own, and the value does not
+depend on the sharding: a checkpoint saved on one mesh verifies on another, or on the host
+(:func:`host_digest`, the same formula in numpy, a block of rows at a time). A change to one
+element always changes the digest; any other corruption goes unnoticed with probability about
+2**-64.
+
+Checkpoints written before this digest carry a CRC-32 of the gathered array (``"crc32"``); they
+still verify, the old way.
 
 A pytree directory is read through :func:`restore_pytree`: shapes and dtypes are checked against
 the stored metadata first, TensorStore read errors (a truncated or damaged file) are re-raised
@@ -24,13 +32,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmoe.errors import CheckpointError
 from jaxmoe.paths import Path
 
-CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_ALGORITHM = "digest64"  # the record field; LEGACY_ALGORITHM records are still read
+LEGACY_ALGORITHM = "crc32"
+_SEEDS = (0x243F6A88, 0x85A308D3)  # one per lane (pi's hex digits)
+_GOLDEN = 0x9E3779B1
+_HOST_BLOCK = 1 << 24  # elements a host digest mixes at once
 
 
 def path_str(keypath) -> str:
@@ -51,49 +64,151 @@ def to_host(x) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+# --------------------------------------------------------------------------------------------
+# The digest: the same integer formula on devices (jnp, sharded) and on the host (numpy)
+
+
+def _fmix(xp, h):
+    """murmur3's 32-bit finaliser (a bijection of uint32), elementwise."""
+    h = h ^ (h >> 16)
+    h = h * xp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * xp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _lane_sums(xp, bits, starts):
+    """The two lanes' sums of ``bits`` (uint32, a block of the array whose first element has the
+    global index ``starts``): ``sum fmix(bits ^ pos)`` and ``sum fmix(bits + fmix(pos ^ seed))``."""
+    pos = xp.uint32(_SEEDS[0])
+    for axis, (start, n) in enumerate(zip(starts, bits.shape)):
+        iota = xp.arange(start, start + n, dtype=np.uint32).reshape([-1 if a == axis else 1 for a in range(bits.ndim)])
+        pos = _fmix(xp, pos * xp.uint32(_GOLDEN) + iota)
+    a = xp.sum(_fmix(xp, bits ^ pos), dtype=np.uint32)
+    b = xp.sum(_fmix(xp, bits + _fmix(xp, pos ^ xp.uint32(_SEEDS[1]))), dtype=np.uint32)
+    return a, b
+
+
+def _bits(xp, x):
+    """``x``'s bits as uint32 (2- and 1-byte types widened; 8-byte ones split into a trailing pair)."""
+    itemsize = np.dtype(x.dtype).itemsize
+    if itemsize == 8:
+        return x.view(np.uint32).reshape(*x.shape, 2) if xp is np else jax.lax.bitcast_convert_type(x, jnp.uint32)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
+    if xp is np:
+        return x.view(unsigned).astype(np.uint32)
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@jax.jit
+def _device_digests(tree):
+    def one(x):
+        bits = _bits(jnp, x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x)
+        return jnp.stack(_lane_sums(jnp, bits, (0,) * bits.ndim))
+
+    return jax.tree.map(one, tree)
+
+
+def _combine(lanes) -> int:
+    a, b = (int(v) for v in np.asarray(lanes, dtype=np.uint32))
+    return (a << 32) | b
+
+
+def host_digest(a: np.ndarray) -> int:
+    """:data:`CHECKSUM_ALGORITHM` of a host array, a block of leading rows at a time."""
+    a = np.asarray(a)
+    a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    a = a.view(np.uint8) if a.dtype == np.bool_ else a
+    with np.errstate(over="ignore"):  # the formula wraps modulo 2**32 by design
+        if a.ndim == 0:
+            return _combine(_lane_sums(np, _bits(np, a.reshape(1))[0], ()))
+        rows = max(1, _HOST_BLOCK // max(1, a[:1].size))
+        total_a = total_b = np.uint32(0)
+        for r in range(0, a.shape[0], rows):
+            block = _bits(np, a[r : r + rows])
+            da, db = _lane_sums(np, block, (r,) + (0,) * (block.ndim - 1))
+            total_a, total_b = total_a + da, total_b + db
+    return _combine((total_a, total_b))
+
+
+def digests(leaves: list) -> list[int]:
+    """:data:`CHECKSUM_ALGORITHM` of each array: JAX arrays where they lie (one compiled program
+    per set of devices), numpy arrays on the host."""
+    out: list[int | None] = [None] * len(leaves)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+        else:
+            out[i] = host_digest(x)
+    for members in groups.values():
+        lanes = _device_digests([leaves[i] for i in members])
+        for i, v in zip(members, lanes):
+            out[i] = _combine(v.addressable_data(0))  # replicated: every process holds the sums
+    return out
+
+
 def array_record(x) -> dict:
-    """``{"crc32": int, "shape": [...], "dtype": str}`` of the exact bytes of ``x``."""
-    a = to_host(x)
+    """``{"digest64": int, "shape": [...], "dtype": str}`` of the exact bits of ``x``."""
+    return tree_records({"x": x})["x"]
+
+
+def tree_records(tree, prefix: str = "") -> dict[str, dict]:
+    """:func:`array_record` of every leaf, keyed ``prefix + path`` (device arrays digested in place)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    values = digests([leaf for _, leaf in leaves])
     return {
-        CHECKSUM_ALGORITHM: zlib.crc32(a.reshape(-1).view(np.uint8)),
-        "shape": list(a.shape),
-        "dtype": str(a.dtype),
+        prefix + path_str(kp): {
+            CHECKSUM_ALGORITHM: v,
+            "shape": list(np.shape(leaf)),
+            "dtype": str(np.dtype(leaf.dtype)),
+        }
+        for (kp, leaf), v in zip(leaves, values)
     }
 
 
 def json_record(value: Any) -> dict:
     """Checksum of a JSON item (data-iterator state, config) in its canonical serialisation."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return {CHECKSUM_ALGORITHM: zlib.crc32(text.encode()), "json": True}
+    return {"crc32": zlib.crc32(text.encode()), "json": True}
 
 
-def tree_records(tree, prefix: str = "") -> dict[str, dict]:
-    """:func:`array_record` of every leaf, keyed ``prefix + path`` (host copies one at a time)."""
-    out = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out[prefix + path_str(keypath)] = array_record(leaf)
-    return out
-
-
-def verify_array(value, record: Mapping | None, name: str, checkpoint) -> None:
-    """Raises :class:`CheckpointError` unless ``value`` has the recorded shape, dtype and CRC."""
-    if record is None:
-        raise CheckpointError(
-            f"checkpoint {str(checkpoint)!r} has no checksum for array {name!r}; refusing to trust it"
-        )
-    got = array_record(value)
-    for field in ("shape", "dtype", CHECKSUM_ALGORITHM):
-        if got[field] != record[field]:
+def verify_tree(tree, records: Mapping[str, dict], checkpoint, prefix: str = "") -> None:
+    """Raises :class:`CheckpointError` unless every leaf of ``tree`` has its recorded shape,
+    dtype and checksum (``records[prefix + path]``), naming the first array that does not."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = [prefix + path_str(kp) for kp, _ in leaves]
+    for name in names:
+        if records.get(name) is None:
             raise CheckpointError(
-                f"checkpoint {str(checkpoint)!r}: array {name!r} is corrupt: {field} {got[field]!r} differs from "
-                f"{record[field]!r} recorded at save (the data file changed or was damaged after it was written)"
+                f"checkpoint {str(checkpoint)!r} has no checksum for array {name!r}; refusing to trust it"
             )
+    legacy = {n for n in names if CHECKSUM_ALGORITHM not in records[n] and LEGACY_ALGORITHM in records[n]}
+    current = [(n, leaf) for n, (_, leaf) in zip(names, leaves) if n not in legacy]
+    got = dict(zip((n for n, _ in current), digests([leaf for _, leaf in current])))
+    for name, (_, leaf) in zip(names, leaves):
+        record = records[name]
+        if name in legacy:
+            a = to_host(leaf)
+            have = {LEGACY_ALGORITHM: zlib.crc32(a.reshape(-1).view(np.uint8)), "shape": list(a.shape)}
+            algorithm = LEGACY_ALGORITHM
+        else:
+            have = {CHECKSUM_ALGORITHM: got[name], "shape": list(np.shape(leaf))}
+            algorithm = CHECKSUM_ALGORITHM
+        have["dtype"] = str(np.dtype(leaf.dtype))
+        for field in ("shape", "dtype", algorithm):
+            if have[field] != record.get(field):
+                raise CheckpointError(
+                    f"checkpoint {str(checkpoint)!r}: array {name!r} is corrupt: {field} {have[field]!r} differs "
+                    f"from {record.get(field)!r} recorded at save (the data file changed or was damaged after it "
+                    "was written)"
+                )
 
 
 def verify_json(value: Any, record: Mapping | None, name: str, checkpoint) -> None:
     if record is None:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} has no checksum for item {name!r}; refusing to trust it")
-    if json_record(value)[CHECKSUM_ALGORITHM] != record[CHECKSUM_ALGORITHM]:
+    if json_record(value)["crc32"] != record.get("crc32"):
         raise CheckpointError(
             f"checkpoint {str(checkpoint)!r}: item {name!r} is corrupt: its checksum differs from save"
         )
@@ -208,7 +323,5 @@ def restore_pytree(directory: Path, target, records: Mapping[str, dict], *, chec
             f"checkpoint {str(checkpoint)!r}: cannot read array {names} ({len(bad)} of {len(leaves)} arrays); "
             f"the data files are truncated or damaged: {bad[0][1]}"
         ) from e
-    for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
-        name = prefix + path_str(keypath)
-        verify_array(value, records.get(name), name, checkpoint)
+    verify_tree(restored, records, checkpoint, prefix)
     return restored

@@ -3,7 +3,7 @@
 Layout of ``DIR``::
 
     DIR/config.json      the typed config (dataclasses.asdict); model.mxfp4_weights names packed weights
-    DIR/checksums.json   {"format", "algorithm": "crc32", "arrays": {path: {crc32, shape, dtype}}}
+    DIR/checksums.json   {"format", "algorithm": "digest64", "arrays": {path: {digest64, shape, dtype}}}
     DIR/params/          an Orbax pytree: nnx.to_pure_dict(nnx.state(model)); an MXFP4 weight is the
                          subtree {"blocks": uint8, "scales": uint8} under the weight's name
 
@@ -14,7 +14,7 @@ saves, grouped up to ``group_bytes``) into ``.DIR.incomplete`` next to ``DIR``, 
 
 Reads (:class:`CheckpointReader`, :func:`load_model`) take a local directory or a bucket
 (``gs://B/P``) alike and read it where it lies, through ``etils.epath`` and Orbax, with no local
-copy. They are verified (:mod:`jaxmoe.checkpoint.integrity`): every array's CRC-32 is checked, and a
+copy. They are verified (:mod:`jaxmoe.checkpoint.integrity`): every array's digest is checked, and a
 damaged checkpoint raises :class:`CheckpointError` naming the array and the checkpoint. Restore
 targets the abstract model with shardings, so a checkpoint written on one mesh restores onto
 another (or onto one device). Checkpoints here are written by one process (multi-host training
@@ -39,6 +39,7 @@ from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from jaxmoe.checkpoint.integrity import (
     CHECKSUM_ALGORITHM,
+    LEGACY_ALGORITHM,
     array_record,
     path_str,
     pytree_dir,
@@ -198,10 +199,11 @@ def load_checksums(path: Path) -> dict[str, dict]:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} is damaged ({e})") from e
-    if data.get("format") != FORMAT or data.get("algorithm") != CHECKSUM_ALGORITHM:
+    if data.get("format") != FORMAT or data.get("algorithm") not in (CHECKSUM_ALGORITHM, LEGACY_ALGORITHM):
         raise CheckpointError(
             f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} has format {data.get('format')!r} / algorithm "
-            f"{data.get('algorithm')!r}; this jaxmoe reads {FORMAT!r} / {CHECKSUM_ALGORITHM!r}"
+            f"{data.get('algorithm')!r}; this jaxmoe reads {FORMAT!r} / {CHECKSUM_ALGORITHM!r} "
+            f"(or {LEGACY_ALGORITHM!r})"
         )
     return data["arrays"]
 
@@ -216,14 +218,14 @@ class CheckpointReader:
     """Reads a model checkpoint, local or in a bucket (``gs://``), where it lies: no copy is made.
 
     Orbax reads the small files through ``etils.epath`` and the arrays through tensorstore's own
-    drivers; every array is checked against its recorded CRC-32, shape and dtype. :meth:`restore`
+    drivers; every array is checked against its recorded digest, shape and dtype. :meth:`restore`
     reads a whole tree (onto the target's shardings), :meth:`read` one array onto the host (for
     streaming conversion).
 
     Attributes:
         path: the checkpoint directory (absolute, or the bucket URI).
         cfg: the checkpoint's typed config.
-        records: the checksum records, ``{array path: {crc32, shape, dtype}}``.
+        records: the checksum records, ``{array path: {digest64, shape, dtype}}``.
         arrays: ``{path: (stored key path, shape, dtype)}`` in storage order (read on first use).
     """
 

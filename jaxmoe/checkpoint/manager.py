@@ -6,13 +6,14 @@ One step holds everything needed to resume::
     ROOT/<step>/opt_state    Orbax pytree (optimizer state), optional
     ROOT/<step>/data_state   JSON (data-iterator state), optional
     ROOT/<step>/config       JSON (the typed config)
-    ROOT/<step>/checksums    JSON: CRC-32, shape, dtype of every array ("params/...", "opt_state/...")
+    ROOT/<step>/checksums    JSON: digest, shape, dtype of every array ("params/...", "opt_state/...")
                              and of the JSON items
 
 Orbax writes a step into a temporary directory and renames it when every item is complete, so a
 save killed mid-write is never listed and the previous step stays restorable; the next manager
 on the same root removes the leftover. Checksums are computed when :meth:`CheckpointManager.save`
-is called (a host copy of each array, one at a time), the write itself then runs in the background.
+is called, on the devices that hold each array's shards (:mod:`jaxmoe.checkpoint.integrity`: no
+array is gathered, by any process); the write itself then runs in the background.
 
 Restore targets an abstract tree of ``jax.ShapeDtypeStruct`` with shardings (or arrays, whose
 shardings are used), so a step written on one mesh restores onto another or onto one device, bit

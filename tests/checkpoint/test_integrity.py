@@ -128,7 +128,7 @@ def test_checksum_catches_what_orbax_misses(saved, tmp_path):
             if not np.array_equal(a, b)
         ]
         if differs:
-            with pytest.raises(CheckpointError, match="is corrupt: crc32"):
+            with pytest.raises(CheckpointError, match="is corrupt: digest64"):
                 load_model(copy)
             return
     pytest.fail("every flip was caught by Orbax itself; the silent case was not exercised")
