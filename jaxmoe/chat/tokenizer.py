@@ -269,25 +269,25 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_token={self.eos_token!r})"
 
 
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copies the :data:`TOKENIZER_FILES` present in ``src`` into the folder ``dst`` (created if missing).
-
-    Args:
-        src: a tokenizer folder, or its ``tokenizer.json`` (the files beside it are copied too; a
-            file of another name is copied alone, as ``tokenizer.json``).
-        dst: the destination folder (local or a bucket).
-
-    Returns:
-        The names of the files copied.
-    """
-    src, dst = resolve(src), resolve(dst)
+def tokenizer_files(src: str | os.PathLike) -> list[tuple[Path, str]]:
+    """``(file, name)`` of the :data:`TOKENIZER_FILES` present in ``src``: a tokenizer folder, or
+    its ``tokenizer.json`` (the files beside it come too; a file of another name comes alone, as
+    ``tokenizer.json``)."""
+    src = resolve(src)
     if src.is_dir():
         pairs = [(src / name, name) for name in TOKENIZER_FILES]
     elif src.name == TOKENIZER_FILE:
         pairs = [(src.parent / name, name) for name in TOKENIZER_FILES]
     else:
         pairs = [(src, TOKENIZER_FILE)]
-    pairs = [(file, name) for file, name in pairs if file.is_file()]
+    return [(file, name) for file, name in pairs if file.is_file()]
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copies :func:`tokenizer_files` of ``src`` into the folder ``dst`` (local or a bucket; created
+    if missing); returns the names of the files copied."""
+    dst = resolve(dst)
+    pairs = tokenizer_files(src)
     if pairs:
         dst.mkdir(parents=True, exist_ok=True)
     for file, name in pairs:

@@ -18,7 +18,8 @@ copy. They are verified (:mod:`jaxmoe.checkpoint.integrity`): every array's dige
 damaged checkpoint raises :class:`CheckpointError` naming the array and the checkpoint. Restore
 targets the abstract model with shardings, so a checkpoint written on one mesh restores onto
 another (or onto one device). Checkpoints here are written by one process (multi-host training
-uses :class:`jaxmoe.checkpoint.manager.CheckpointManager`).
+uses :class:`jaxmoe.checkpoint.manager.CheckpointManager`), except :func:`write_sharded_checkpoint`,
+which every process of a multi-process run calls with the same sharded tree.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Iterable, Iterator
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
@@ -46,10 +48,11 @@ from jaxmoe.checkpoint.integrity import (
     restore_pytree,
     stored_arrays,
     to_host,
+    tree_records,
 )
 from jaxmoe.config import Config, ConfigError, from_config_dict
 from jaxmoe.errors import CheckpointError
-from jaxmoe.paths import Path, resolve
+from jaxmoe.paths import Path, is_uri, resolve
 from jaxmoe.sharding import state_shardings
 
 CONFIG_FILE = "config.json"
@@ -162,6 +165,50 @@ def write_checkpoint(
         for path, value in arrays:
             writer.add(path, value)
     return dst
+
+
+def write_sharded_checkpoint(dst: str | Path, cfg: Config, params, extra_files: dict[str, bytes] | None = None) -> None:
+    """Writes a model checkpoint from every process at once: each writes the shards it holds.
+
+    ``params`` is a pytree of ``jax.Array`` (sharded over any mesh, possibly spanning processes);
+    every process calls this with the same tree. Orbax writes each process's addressable shards
+    (one copy of each replicated shard), the digests are computed where the shards lie
+    (:func:`jaxmoe.checkpoint.integrity.tree_records`), so no process holds an array it does not
+    own. Process 0 then writes ``checksums.json``, the ``extra_files`` (e.g. the tokenizer's) and
+    ``config.json`` last. A local ``dst`` (one filesystem seen by every process) is staged in
+    ``.DIR.incomplete`` and renamed into place; in a bucket, ``config.json`` marks it complete.
+    """
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    dst = resolve(dst)
+    main = jax.process_index() == 0
+    local = not is_uri(dst)
+    if local:
+        dst = pathlib.Path(dst).absolute()
+        if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+            raise FileExistsError(f"checkpoint {str(dst)!r} already exists; choose a new destination")
+        staging = dst.parent / f".{dst.name}.incomplete"
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a writer that was killed
+            staging.mkdir(parents=True)
+    else:
+        staging = dst
+    multihost_utils.sync_global_devices("jaxmoe_sharded_checkpoint_staged")
+    records = tree_records(params)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(staging / PARAMS_DIR, params)
+        ckptr.wait_until_finished()
+    if main:
+        checksums = {"format": FORMAT, "algorithm": CHECKSUM_ALGORITHM, "arrays": records}
+        (staging / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1) + "\n")
+        for name, data in (extra_files or {}).items():
+            (staging / name).write_bytes(data)
+        (staging / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+        if local:
+            if dst.exists():
+                dst.rmdir()  # empty (checked above)
+            os.replace(staging, dst)
+    multihost_utils.sync_global_devices("jaxmoe_sharded_checkpoint_done")
 
 
 def save_model(model: nnx.Module, cfg: Config, path: str | pathlib.Path) -> pathlib.Path:

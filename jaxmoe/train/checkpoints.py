@@ -4,20 +4,15 @@ and the MXFP4 export of the final params.
 The export is a model checkpoint (:mod:`jaxmoe.checkpoint.io`: ``config.json``, ``checksums.json``,
 ``params/``) with the routed experts packed in MXFP4, plus the tokenizer files (``tokenizer.json``,
 ``tokenizer_config.json``), so ``jaxmoe generate``
-and ``jaxmoe logits`` read it alone. That writer is single-process, so a multi-process run exports
-from process 0 through a child process on the CPU backend that restores the final training
-checkpoint (``python -m jaxmoe.train.checkpoints ROOT STEP DST [TOKENIZER]``); the other processes
-wait at a barrier.
+and ``jaxmoe logits`` read it alone. A single process streams it from host arrays; in a
+multi-process run every process quantizes the shards it holds and writes them
+(:func:`write_sharded_export`), so no process ever holds a whole weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 
 import jax
@@ -25,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxmoe.chat.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
+from jaxmoe.chat.tokenizer import TOKENIZER_FILE, copy_tokenizer_files, tokenizer_files
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, from_config_dict, validate
 from jaxmoe.errors import CheckpointError
@@ -129,34 +124,20 @@ def write_export(state: dict, cfg: Config, dst: str | Path, tokenizer_file: str 
     return note
 
 
-def export_from_checkpoint(root, step: int, dst, tokenizer_file=None) -> str:
-    """The export of a training checkpoint step, restored on one device (single process)."""
-    cfg, model = restore_model(root, step)
-    state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-    return write_export(state, cfg, dst, tokenizer_file)
+def write_sharded_export(state: dict, cfg: Config, dst: str | Path, tokenizer_file: str | Path | None) -> str:
+    """:func:`write_export` from every process of a multi-process run, ``state`` the (sharded)
+    ``jax.Array`` model state: each process quantizes and writes its own shards
+    (:func:`jaxmoe.checkpoint.io.write_sharded_checkpoint`); returns the same note."""
+    from jaxmoe.checkpoint.io import write_sharded_checkpoint  # noqa: PLC0415
+    from jaxmoe.quant.qarray import quantize_state  # noqa: PLC0415
 
-
-def export_in_subprocess(root, step: int, dst, tokenizer_file=None) -> str:
-    """:func:`export_from_checkpoint` in a child process on the CPU backend (from a multi-process run)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
-    argv = [sys.executable, "-m", "jaxmoe.train.checkpoints", str(root), str(step), str(dst)]
+    out_cfg, note = export_config(cfg)
+    if out_cfg is None:
+        return note
+    extra = {}
     if tokenizer_file is not None:
-        argv.append(str(tokenizer_file))
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise CheckpointError(f"MXFP4 export of {root}/{step} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["note"]
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) not in (3, 4):
-        print("usage: python -m jaxmoe.train.checkpoints ROOT STEP DST [TOKENIZER]", file=sys.stderr)
-        return 2
-    note = export_from_checkpoint(argv[0], int(argv[1]), argv[2], argv[3] if len(argv) == 4 else None)
-    print(json.dumps({"note": note}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+        extra = {name: file.read_bytes() for file, name in tokenizer_files(tokenizer_file)}
+        if TOKENIZER_FILE not in extra:
+            raise CheckpointError(f"tokenizer {str(tokenizer_file)!r}: no {TOKENIZER_FILE} there to export")
+    write_sharded_checkpoint(dst, out_cfg, quantize_state(state, out_cfg.model), extra)
+    return note

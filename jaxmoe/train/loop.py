@@ -45,9 +45,9 @@ from jaxmoe.train.checkpoints import (
     EXPORT_DIR,
     TOKENIZER_FILE,
     export_done,
-    export_in_subprocess,
     stored_config,
     write_export,
+    write_sharded_export,
 )
 from jaxmoe.train.metrics import MetricsWriter, load_summary, measure_peak_flops, model_flops_per_token
 from jaxmoe.train.step import STAGES, Trainer, TrainState, deep_merge
@@ -152,22 +152,18 @@ def _fetch(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def _export(state: TrainState, cfg: Config, ckpt: CheckpointManager, step: int, workdir: Path, log) -> str:
-    """The MXFP4 export of the final params (once): in process when single-process, else from the checkpoint."""
+def _export(state: TrainState, cfg: Config, workdir: Path, log) -> str:
+    """The MXFP4 export of the final params (once): from host copies in a single process; in a
+    multi-process run each process quantizes and writes its own shards."""
     dst = workdir / EXPORT_DIR
     if export_done(dst):
         return str(dst)
     tokenizer = workdir / TOKENIZER_FILE
+    params = deep_merge(state.params, state.router_bias)
     if jax.process_count() == 1:
-        host = jax.tree.map(np.asarray, deep_merge(state.params, state.router_bias))
-        note = write_export(host, cfg, dst, tokenizer)
+        note = write_export(jax.tree.map(np.asarray, params), cfg, dst, tokenizer)
     else:
-        note = ""
-        if jax.process_index() == 0:
-            note = export_in_subprocess(ckpt.directory, step, dst, tokenizer)
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        multihost_utils.sync_global_devices("jaxmoe_export")
+        note = write_sharded_export(params, cfg, dst, tokenizer)
     log(f"MXFP4 export: {dst} ({note})")
     return note if note.startswith("skipped") else str(dst)
 
@@ -362,7 +358,7 @@ def train(
             ckpt.wait_until_finished()
             run.summary["step"] = run.step
             if run.step == t.steps and t.export_mxfp4 and stop_after is None:
-                run.summary["export"] = _export(run.state, cfg, ckpt, run.step, workdir, log)
+                run.summary["export"] = _export(run.state, cfg, workdir, log)
         finally:
             bar.close()
             ckpt.close()
