@@ -29,7 +29,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.rules import MESH_AXES
 from jaxmoe.topology import CHIPS, TopologyError, check_mesh, chip_kind
 
-STEPS = ("train", "forward")
+STEPS = ("train", "forward", "decode")
 
 
 def topology_devices(topology: str, slices: int = 1) -> list:
@@ -89,11 +89,61 @@ def _flops(compiled) -> float:
     return float((compiled.cost_analysis() or {}).get("flops", 0.0))
 
 
+class Serving(NamedTuple):
+    """What the decode step serves: ``seqs`` sequences of ``context`` tokens each, paged by ``page_size``."""
+
+    seqs: int = 1
+    context: int | None = None  # None: the model's max_context
+    page_size: int = 16
+
+
+def lower_decode(cfg: Config, mesh: jax.sharding.Mesh, serving: Serving):
+    """``(lowered, cache spec)`` of the engine's decode step on ``mesh``: every routed expert in
+    MXFP4, the weights sharded by the training rules, the paged pools sized for ``serving`` (the
+    engine's layout: replicated on every device), one new token for each of the sequences."""
+    import dataclasses  # noqa: PLC0415
+
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxmoe.config import MXFP4_WEIGHTS, validate  # noqa: PLC0415
+    from jaxmoe.inference.allocator import pages_for  # noqa: PLC0415
+    from jaxmoe.inference.cache import CacheSpec  # noqa: PLC0415
+    from jaxmoe.inference.engine import _step_jit  # noqa: PLC0415
+    from jaxmoe.inference.programs import Shape, abstract_inputs  # noqa: PLC0415
+    from jaxmoe.model import abstract_model  # noqa: PLC0415
+    from jaxmoe.sharding import state_shardings  # noqa: PLC0415
+
+    context = serving.context or cfg.model.max_context
+    for name, value in (("--seqs", serving.seqs), ("--context", context), ("--page-size", serving.page_size)):
+        if value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value}")
+    if context > cfg.model.max_context:
+        raise ConfigError(f"--context {context} is longer than model.max_context={cfg.model.max_context}")
+    model_cfg = dataclasses.replace(cfg.model, mxfp4_weights=tuple(MXFP4_WEIGHTS))
+    validate(dataclasses.replace(cfg, model=model_cfg))  # the MXFP4 blocks must divide over the mesh
+    graphdef, state = nnx.split(abstract_model(model_cfg))
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+    pages = pages_for(context, serving.page_size)
+    spec = CacheSpec.for_model(
+        model_cfg, num_pages=serving.seqs * pages + 1, num_slots=serving.seqs, page_size=serving.page_size
+    )
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cache = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), jax.eval_shape(spec.init)
+    )
+    groups, sampling = abstract_inputs(Shape(serving.seqs, 0, 0, pages, False), model_cfg.vocab_size)
+    with jax.set_mesh(mesh):
+        lowered = _step_jit.lower(graphdef, spec, False, state, cache, groups, sampling)
+    return lowered, spec
+
+
 def lower_step(cfg: Config, mesh: jax.sharding.Mesh, step: str, stage: str = "main"):
-    """``(lowered, tokens per step)`` of ``step`` on ``mesh`` from abstract sharded inputs (no weights)."""
+    """``(lowered, tokens per step)`` of ``step`` (train or forward) on ``mesh`` from abstract
+    sharded inputs (no weights)."""
     from jaxmoe.train.step import STAGES, Trainer  # noqa: PLC0415
 
-    if step not in STEPS:
+    if step not in STEPS[:2]:
         raise ConfigError(f"--step must be one of {STEPS}, got {step!r}")
     if stage not in STAGES:
         raise ConfigError(f"--stage must be one of {STAGES}, got {stage!r}")
@@ -115,13 +165,25 @@ class Compiled(NamedTuple):
 
 
 def compile_report(
-    cfg: Config, topology: str, step: str = "train", stage: str = "main", slices: int = 1
+    cfg: Config,
+    topology: str,
+    step: str = "train",
+    stage: str = "main",
+    slices: int = 1,
+    serving: Serving | None = None,
 ) -> dict[str, Any]:
     """:func:`compile_for`'s report."""
-    return compile_for(cfg, topology, step, stage, slices).report
+    return compile_for(cfg, topology, step, stage, slices, serving).report
 
 
-def compile_for(cfg: Config, topology: str, step: str = "train", stage: str = "main", slices: int = 1) -> Compiled:
+def compile_for(
+    cfg: Config,
+    topology: str,
+    step: str = "train",
+    stage: str = "main",
+    slices: int = 1,
+    serving: Serving | None = None,
+) -> Compiled:
     """Compiles ``step`` of ``cfg`` for ``topology`` and reports XLA's per-device memory and FLOPs.
 
     Returns:
@@ -129,19 +191,26 @@ def compile_for(cfg: Config, topology: str, step: str = "train", stage: str = "m
       the per-device bytes of :func:`memory`, ``hbm_bytes`` (per device), ``fits``, ``margin``
       (the share of HBM left), ``flops_per_step`` (all devices), ``flops_per_token``,
       ``model_flops_per_token`` (train step: the analytic count the train loop's MFU uses),
-      ``lower_s`` and ``compile_s``.
+      ``lower_s`` and ``compile_s``. The decode step (the engine's, :func:`lower_decode`) reports
+      ``seqs``, ``context``, ``page_size`` and ``cache_bytes`` (its pools, on every device) instead
+      of the batch and the train fields; a token is one sequence's new token.
 
     Raises:
       TopologyError: unknown topology, no libtpu, or a mesh that does not fit the slice.
     """
     from jaxmoe.train.metrics import model_flops_per_token  # noqa: PLC0415
 
+    serving = serving or Serving()
     kind = chip_kind(topology)
     chips = check_mesh(cfg, topology, slices)["chips"]  # before libtpu: a mismatch needs no TPU description
     devices = topology_devices(topology, slices)
     mesh = slice_mesh(cfg, topology, devices)
     start = time.perf_counter()
-    lowered, tokens = lower_step(cfg, mesh, step, stage)
+    if step == "decode":
+        lowered, spec = lower_decode(cfg, mesh, serving)
+        tokens = serving.seqs
+    else:
+        lowered, tokens = lower_step(cfg, mesh, step, stage)
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
     compiled = lowered.compile()
@@ -156,12 +225,23 @@ def compile_for(cfg: Config, topology: str, step: str = "train", stage: str = "m
         "devices": len(devices),
         "mesh": dict(zip(MESH_AXES, cfg.mesh.shape)),
         "step": step,
-        "stage": stage,
-        "batch_size": cfg.train.batch_size,
-        "seq_len": cfg.train.seq_len,
+        **(
+            {
+                "seqs": serving.seqs,
+                "context": serving.context or cfg.model.max_context,
+                "page_size": serving.page_size,
+                "cache_bytes": spec.total_bytes,
+            }
+            if step == "decode"
+            else {
+                "stage": stage,
+                "batch_size": cfg.train.batch_size,
+                "seq_len": cfg.train.seq_len,
+                "remat": cfg.train.remat,
+            }
+        ),
         "num_layers": cfg.model.num_layers,
         "dispatch": cfg.model.moe.dispatch,
-        "remat": cfg.train.remat,
         **mem,
         "hbm_bytes": hbm,
         "fits": mem["total_bytes"] <= hbm,

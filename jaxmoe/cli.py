@@ -139,9 +139,10 @@ def _cmd_compile(args) -> int:
         if args.mesh_only:
             report = check_mesh(cfg, topology, args.slices)
         else:
-            from jaxmoe.aot import compile_report  # noqa: PLC0415
+            from jaxmoe.aot import Serving, compile_report  # noqa: PLC0415
 
-            report = compile_report(cfg, topology, step=args.step, stage=args.stage, slices=args.slices)
+            serving = Serving(args.seqs, args.context, args.page_size)
+            report = compile_report(cfg, topology, args.step, args.stage, args.slices, serving)
     except TopologyError as e:
         where = f" (--accelerator-type {args.accelerator_type} is {topology})" if args.accelerator_type else ""
         print(f"jaxmoe compile: error: {e}{where}", file=sys.stderr)
@@ -176,8 +177,14 @@ def _add_compile(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--slices", type=int, default=1, help="number of such slices (multi-slice, over DCN); default 1")
     p.add_argument(
-        "--step", choices=("train", "forward"), default="train", help="the train step (default) or the forward loss"
+        "--step",
+        choices=("train", "forward", "decode"),
+        default="train",
+        help="the train step (default), the forward loss, or the engine's decode step (MXFP4 experts, paged caches)",
     )
+    p.add_argument("--seqs", type=int, default=1, help="decode: concurrent sequences, one new token each (default 1)")
+    p.add_argument("--context", type=int, help="decode: tokens cached per sequence (default: model.max_context)")
+    p.add_argument("--page-size", type=int, default=16, help="decode: positions per cache page (default 16)")
     p.add_argument("--stage", choices=("main", "warmup"), default="main", help="train stage (default main: sparse DSA)")
     p.add_argument(
         "--mesh-only",

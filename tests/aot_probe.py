@@ -5,8 +5,10 @@
 Compiles the config's train step for ``TOPOLOGY`` and for the same mesh on 8 CPU devices, then
 prints one JSON line: the TPU report (:func:`jaxmoe.aot.compile_report`'s fields) and, for each
 compile, every argument's and output's shape, dtype, PartitionSpec and per-device shard shape and
-XLA's memory analysis, and the TPU forward of the config with ``dispatch=ragged`` (the
-``ragged_all_to_all`` path that XLA:CPU cannot compile).
+XLA's memory analysis, the TPU forward of the config with ``dispatch=ragged`` (the
+``ragged_all_to_all`` path that XLA:CPU cannot compile), and the engine's decode step (MXFP4
+experts, paged pools for 4 sequences of 256 tokens) on data 2 x fsdp 2 x expert 2, for the slice
+and on CPU.
 """
 
 import json
@@ -50,6 +52,14 @@ def main(path: str, topology: str, *overrides: str) -> None:
     out["cpu"] = _layout(lowered.compile(), lowered)
     ragged = from_config_dict(apply_overrides(load_config_dict(path), [*pairs, ("model.moe.dispatch", "ragged")]))
     out["ragged_forward"] = aot.compile_report(ragged, topology, step="forward")
+    # The engine's decode step, on a mesh without context (the engine's): TPU, then the same on CPU.
+    mesh = [("mesh.data", "2"), ("mesh.fsdp", "2"), ("mesh.expert", "2"), ("mesh.context", "1")]
+    serving_cfg = from_config_dict(apply_overrides(load_config_dict(path), [*pairs, *mesh]))
+    serving = aot.Serving(seqs=4, context=256)
+    decode = aot.compile_for(serving_cfg, topology, step="decode", serving=serving)
+    out["decode"] = {"report": decode.report, "tpu": _layout(decode.compiled, decode.lowered)}
+    lowered, _ = aot.lower_decode(serving_cfg, make_mesh(serving_cfg.mesh), serving)
+    out["decode"]["cpu"] = _layout(lowered.compile(), lowered)
     print(json.dumps(out), flush=True)
 
 

@@ -2,7 +2,8 @@
 
 libtpu runs in subprocesses only (``tests/aot_probe.py`` and the CLI), so this process's backend
 and devices stay the 8 fake CPU devices. One probe compiles the tiny config's train step for
-``v5p:2x2x2`` and for the same mesh on CPU, and its forward with ``dispatch=ragged`` for the slice.
+``v5p:2x2x2`` and for the same mesh on CPU, its forward with ``dispatch=ragged`` for the slice,
+and the engine's decode step for the slice and on CPU.
 """
 
 import json
@@ -76,6 +77,31 @@ def test_ragged_dispatch_compiles_for_the_slices_devices(probe):
     assert "model_flops_per_token" not in r
 
 
+def test_decode_step_serves_mxfp4_experts_from_the_paged_pools(probe):
+    from jaxmoe.config import load_config  # noqa: PLC0415
+    from jaxmoe.inference.cache import CacheSpec  # noqa: PLC0415
+
+    r, tpu, cpu = probe["decode"]["report"], probe["decode"]["tpu"], probe["decode"]["cpu"]
+    assert (r["step"], r["seqs"], r["context"], r["page_size"]) == ("decode", 4, 256, 16)
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1} and r["fits"]
+    assert tpu["inputs"] == cpu["inputs"] and tpu["outputs"] == cpu["outputs"]
+    # The experts are MXFP4 blocks and scales (uint8), sharded; every other weight keeps its dtype.
+    uint8 = [leaf for leaf in tpu["inputs"] if leaf[1] == "uint8"]
+    assert uint8 and all(leaf[3] != leaf[0] for leaf in uint8)
+    # The pools: one page table of 256 / 16 pages per sequence (and the null page), whole on every device.
+    spec = CacheSpec.for_model(load_config(ROOT / TINY).model, num_pages=4 * 16 + 1, num_slots=4)
+    assert r["cache_bytes"] == spec.total_bytes
+    shapes = [
+        *[[spec.num_pages, spec.page_size, spec.latent_width]] * len(spec.latent_layers),
+        *[[spec.num_pages, spec.page_size, spec.index_width]] * len(spec.index_layers),
+        *[[spec.num_slots, *spec.conv_shape], [spec.num_slots, *spec.state_shape]] * len(spec.kda_layers),
+    ]
+    pools = [leaf for leaf in cpu["inputs"] if leaf[0] in shapes]
+    assert sorted(leaf[0] for leaf in pools) == sorted(shapes)
+    assert all(leaf[3] == leaf[0] for leaf in pools)
+    assert r["argument_bytes"] >= spec.total_bytes and r["flops_per_token"] > 0
+
+
 @pytest.mark.parametrize(
     "name, kind",
     [("v5p:8x16x16", "v5p"), ("v6e:16x16", "v6e"), ("v4:4x4x4", "v4"), ("v5e:2x2", "v5e")],
@@ -112,7 +138,8 @@ def test_cli_without_libtpu_says_how_to_get_it():
     [
         (["--topology", "v5p:2x2x2"], "--config"),
         (["--config", TINY], "--topology"),
-        (["--config", TINY, "--topology", "v5p:2x2x2", "--step", "decode"], "--step"),
+        (["--config", TINY, "--topology", "v5p:2x2x2", "--step", "backward"], "--step"),
+        (["--config", TINY, "--topology", "v5p:2x2x2", "--step", "decode", "--seqs", "0"], "--seqs must be a positive"),
         (["--config", TINY, "--topology", "v5p:2x2x2", "--config.mesh.bogus=2"], "mesh.bogus"),
         (["--config", TINY, "--topology", "v9:2x2"], "--topology 'v9:2x2'"),
     ],
