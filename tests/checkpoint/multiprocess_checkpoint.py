@@ -1,4 +1,4 @@
-"""One of two processes (4 CPU devices each) of tests/checkpoint/test_multiprocess.py.
+"""One of two processes (4 CPU devices each) of tests/checkpoint/test_checkpoint_multiprocess.py.
 
     python multiprocess_checkpoint.py COORDINATOR PROCESS_ID WORKDIR CONFIG OVERRIDES_JSON
 
