@@ -19,6 +19,7 @@ once, ``fits`` compares it with the device's HBM (:data:`CHIPS`).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, NamedTuple
 
@@ -83,6 +84,25 @@ def memory(compiled) -> dict[str, int]:
         + out["generated_code_bytes"]
     )
     return out
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def exhausted_memory(message: str) -> dict[str, int] | None:
+    """What a TPU compile that ran out of HBM says it needed: ``{"temp_bytes": ...}`` (or
+    ``"argument_bytes"``) from XLA's ``RESOURCE_EXHAUSTED`` message; None for any other error.
+
+    XLA refuses a program that cannot fit instead of returning its memory analysis, and names the
+    bytes it needed (``... required for HLO temporaries (943.56G) exceeds available HBM ...``).
+    """
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    m = re.search(r"required for (HLO temporaries|arguments)[^(]*\(([\d.]+)([KMGTP]?)i?B?\)", message)
+    if m is None:
+        return None
+    key = "temp_bytes" if m.group(1) == "HLO temporaries" else "argument_bytes"
+    return {key: int(float(m.group(2)) * _UNITS[m.group(3)])}
 
 
 def _flops(compiled) -> float:
@@ -191,7 +211,10 @@ def compile_for(
       the per-device bytes of :func:`memory`, ``hbm_bytes`` (per device), ``fits``, ``margin``
       (the share of HBM left), ``flops_per_step`` (all devices), ``flops_per_token``,
       ``model_flops_per_token`` (train step: the analytic count the train loop's MFU uses),
-      ``lower_s`` and ``compile_s``. The decode step (the engine's, :func:`lower_decode`) reports
+      ``lower_s`` and ``compile_s``. Where XLA refuses the program for want of HBM, the report
+      says so (``fits`` false, ``compile_error``), holds the bytes XLA said it needed (``total_bytes``
+      a lower bound) and no FLOPs, and ``compiled`` is None. The decode step (the engine's,
+      :func:`lower_decode`) reports
       ``seqs``, ``context``, ``page_size`` and ``cache_bytes`` (its pools, on every device) instead
       of the batch and the train fields; a token is one sequence's new token.
 
@@ -213,11 +236,19 @@ def compile_for(
         lowered, tokens = lower_step(cfg, mesh, step, stage)
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - start
-    mem = memory(compiled)
     hbm = CHIPS[kind].hbm_bytes  # one device a chip (slice_mesh checked)
-    flops = _flops(compiled) * len(devices)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        needed = exhausted_memory(str(e))
+        if needed is None:
+            raise
+        compiled, mem = None, {**needed, "total_bytes": max(needed.values())}  # a lower bound
+        error = str(e).splitlines()[0]
+    else:
+        mem, error = memory(compiled), None
+    compile_s = time.perf_counter() - start
+    flops = _flops(compiled) * len(devices) if compiled is not None else None
     report = {
         "topology": topology,
         **({"slices": slices} if slices > 1 else {}),
@@ -244,10 +275,11 @@ def compile_for(
         "dispatch": cfg.model.moe.dispatch,
         **mem,
         "hbm_bytes": hbm,
-        "fits": mem["total_bytes"] <= hbm,
+        "fits": error is None and mem["total_bytes"] <= hbm,
         "margin": round(1 - mem["total_bytes"] / hbm, 4),
+        **({"compile_error": error} if error else {}),
         "flops_per_step": flops,
-        "flops_per_token": flops / tokens,
+        "flops_per_token": flops / tokens if flops is not None else None,
         **({"model_flops_per_token": model_flops_per_token(cfg, stage)} if step == "train" else {}),
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),

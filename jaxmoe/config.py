@@ -190,6 +190,7 @@ class TrainConfig:
     batch_size: int = 8  # global, in sequences
     seq_len: int = 128
     remat: bool = False  # recompute each decoder layer's activations in the backward pass
+    scan_layers: bool = False  # repeating blocks of layers stacked and run by lax.scan (jaxmoe.layer_plan)
     log_every: int = 1
     eval_every: int = 50  # held-out loss every N steps and at the end; 0: only at the end
     eval_batches: int = 4

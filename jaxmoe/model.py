@@ -6,6 +6,13 @@ Each layer is ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; the attention kin
 ``cfg.layer_kinds[i]``, the FFN is a dense MLP for the first ``moe.first_k_dense`` layers and the
 DeepSeek MoE after. Parameters carry logical axis names; :func:`create_model` builds the model
 directly into its sharded layout (no full-size host copy) when given a mesh.
+
+Two parameter layouts, the same model: per layer (``layers/i``: checkpoints, HF import, the
+inference engine) and, with ``scan=True`` (training), the repeating blocks of
+:func:`jaxmoe.layer_plan.plan_layers` stacked on a leading ``layers`` axis and run by
+``jax.lax.scan``, so a block is traced and compiled once however often it repeats.
+:func:`jaxmoe.layer_plan.stack_layers` / ``unstack_layers`` convert between them; with the same
+seed both layouts hold the same values.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ from jaxmoe.attention.dsa import DSA
 from jaxmoe.attention.kda import KDA
 from jaxmoe.attention.mla import MLA
 from jaxmoe.config import ModelConfig
+from jaxmoe.layer_plan import STACK_KEY, Item, layer_signatures, plan_layers, shifted
 from jaxmoe.moe import MLP, MoE
+from jaxmoe.moe.router import sequence_balance_loss
 from jaxmoe.nn import RMSNorm, dense, param
 from jaxmoe.nn.linear import abstract_params, normal
 from jaxmoe.sharding import constrain, state_shardings
+from jaxmoe.train.dsa_loss import indexer_kl_loss
 
 ATTENTION_MODULES = {"mla": MLA, "dsa": DSA, "kda": KDA}
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
@@ -35,7 +45,7 @@ class DecoderLayer(nnx.Module):
     """One pre-norm residual block: attention of the given kind, then a dense or MoE FFN."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
-        self.kind = cfg.layer_kinds[index]
+        self.kind, self.index, self.num_experts = cfg.layer_kinds[index], index, cfg.moe.num_experts
         pdt = _dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
         self.attn = ATTENTION_MODULES[self.kind](cfg, rngs=rngs)
@@ -46,15 +56,17 @@ class DecoderLayer(nnx.Module):
             self.ffn = MoE(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        # Under nnx.capture(..., nnx.Intermediate) the layer also sows what the training losses
-        # need (jaxmoe.train.step): a DSA layer's attention input (the indexer KL loss) and an MoE
-        # layer's router scores and choices (the sequence-wise balance loss). Unused ones are
-        # dead code under jit; the router recomputation is the same expression the MoE evaluates.
+        # Under nnx.capture(..., nnx.Intermediate) the layer also sows its training losses
+        # (jaxmoe.train.step sums them): a DSA layer's indexer KL loss (dense in the warm-up, over
+        # the streamed top-K after) and an MoE layer's sequence-wise balance loss. Computed here,
+        # inside the layer (and so inside its scan and remat), not from sown activations; unused
+        # ones are dead code under jit. The router recomputation is the expression the MoE evaluates.
         capturing = hasattr(self, "__captures__")
         with jax.named_scope(f"attn_{self.kind}"):
             h = self.attn_norm(x)
             if capturing and self.kind == "dsa":
-                self.sow(nnx.Intermediate, "attn_input", h)
+                sparse = not self.attn.dense_attention
+                self.sow(nnx.Intermediate, "indexer_kl", indexer_kl_loss(self.attn, h, positions, sparse=sparse))
             x = x + self.attn(h, positions)
         x = constrain(x, ACTIVATION_AXES)
         with jax.named_scope("ffn"):
@@ -62,7 +74,8 @@ class DecoderLayer(nnx.Module):
             if capturing and isinstance(self.ffn, MoE):
                 B, T, D = h.shape
                 _, indices, scores = self.ffn.route(h.astype(self.ffn.dtype).reshape(B * T, D))
-                self.sow(nnx.Intermediate, "router", (scores.reshape(B, T, -1), indices.reshape(B, T, -1)))
+                loss = sequence_balance_loss(scores.reshape(B, T, -1), indices.reshape(B, T, -1), self.num_experts)
+                self.sow(nnx.Intermediate, "seq_aux", loss)
             x = x + self.ffn(h)
         return constrain(x, ACTIVATION_AXES)
 
@@ -84,14 +97,84 @@ def _remat_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array) -> jax
     return y
 
 
-class Transformer(nnx.Module):
-    """Token ids ``[B, T]`` to fp32 logits ``[B, T, V]``."""
+def _run(node: DecoderLayer | LayerStack, x: jax.Array, positions: jax.Array, remat: bool) -> jax.Array:
+    if isinstance(node, LayerStack):
+        return node(x, positions, remat=remat)
+    return (_remat_layer if remat else DecoderLayer.__call__)(node, x, positions)
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+
+def _stacked(variables: tuple[nnx.Variable, ...]) -> nnx.Variable:
+    """One variable holding ``variables``' values on a new leading ``layers`` axis."""
+    values = [v.get_value() for v in variables]
+    if isinstance(values[0], jax.ShapeDtypeStruct):
+        value = jax.ShapeDtypeStruct((len(values), *values[0].shape), values[0].dtype)
+    else:
+        value = jnp.stack(values)
+    first = variables[0]
+    axes = first.get_metadata().get("axes")
+    return first.replace(value, axes=("layers", *axes)) if axes is not None else first.replace(value)
+
+
+class LayerStack(nnx.Module):
+    """``repeats`` back-to-back repetitions of a block of layers, run as one ``jax.lax.scan``.
+
+    ``block`` holds the first repetition's modules with every variable stacked over the
+    repetitions (leading axis, logical name ``layers``); nested stacks add one axis each.
+    """
+
+    def __init__(self, reps: list[nnx.Dict], first: int, last: int):
+        graphdef, state = nnx.split(reps[0])
+        states = [nnx.state(r) for r in reps]
+        stacked = jax.tree.map(lambda *vs: _stacked(vs), *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        setattr(self, STACK_KEY, nnx.merge(graphdef, stacked))
+        self.first, self.last, self.repeats, self.size = first, last, len(reps), len(reps[0])
+
+    def __call__(self, x: jax.Array, positions: jax.Array, *, remat: bool) -> jax.Array:
+        block = getattr(self, STACK_KEY)
+        graphdef, state = nnx.split(block)
+
+        def body(x, state):
+            block = nnx.merge(graphdef, state)
+            for j in range(self.size):
+                x = _run(block[str(j)], x, positions, remat)
+            # What the layers sowed (under nnx.capture) leaves the scan stacked over repetitions.
+            return x, nnx.state(block, nnx.Intermediate)
+
+        with jax.named_scope(f"layers_{self.first}-{self.last}"):
+            x, sown = jax.lax.scan(body, x, state)
+        nnx.update(block, sown)
+        return x
+
+
+def _build(item: Item, layers: list[DecoderLayer]) -> DecoderLayer | LayerStack:
+    if isinstance(item, int):
+        return layers[item]
+    # String keys: under nnx.capture a container module's state also holds '__captures__', and jax
+    # flattens a scan's state by sorted keys.
+    reps = [
+        nnx.Dict({str(j): _build(shifted(x, r * item.period), layers) for j, x in enumerate(item.block)})
+        for r in range(item.repeats)
+    ]
+    return LayerStack(reps, item.start, item.start + item.repeats * item.period - 1)
+
+
+def layer_plan(cfg: ModelConfig) -> tuple[Item, ...]:
+    """The scanned layout's plan of ``cfg``'s layers (:func:`jaxmoe.layer_plan.plan_layers`)."""
+    return plan_layers(layer_signatures(cfg.layer_kinds, cfg.moe.first_k_dense))
+
+
+class Transformer(nnx.Module):
+    """Token ids ``[B, T]`` to fp32 logits ``[B, T, V]``.
+
+    With ``scan`` the layers are held stacked by :func:`layer_plan` (see the module docstring).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, scan: bool = False):
+        self.cfg, self.scan = cfg, scan
         pdt = _dtype(cfg.param_dtype)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), normal(cfg.init_std), pdt)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+        self.layers = nnx.List([_build(x, layers) for x in layer_plan(cfg)] if scan else layers)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), normal(cfg.init_std), pdt)
@@ -106,10 +189,12 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed_tokens(tokens)  # [B, T, D]
         x = constrain(x, ACTIVATION_AXES)
-        call = _remat_layer if remat else DecoderLayer.__call__
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer_{i}"):
-                x = call(layer, x, positions)
+        for node in self.layers:
+            if isinstance(node, LayerStack):
+                x = node(x, positions, remat=remat)
+            else:
+                with jax.named_scope(f"layer_{node.index}"):
+                    x = _run(node, x, positions, remat)
         return self.final_norm(x)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
@@ -127,15 +212,22 @@ class Transformer(nnx.Module):
         return dense("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
 
 
-def create_model(cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Transformer:
-    """Builds the model; with a mesh, every parameter is created directly in its sharded layout."""
+def create_model(
+    cfg: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None, scan: bool = False
+) -> Transformer:
+    """Builds the model; with a mesh, every parameter is created directly in its sharded layout.
+
+    ``scan`` picks the stacked layout (:class:`Transformer`); the values do not depend on it.
+    """
     if mesh is None:
-        return Transformer(cfg, rngs=nnx.Rngs(seed))
-    abstract = abstract_model(cfg)
+        return Transformer(cfg, rngs=nnx.Rngs(seed), scan=scan)
+    abstract = abstract_model(cfg, scan=scan)
     graphdef, abstract_state = nnx.split(abstract)
     shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh))
 
-    init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))), out_shardings=shardings)
+    init = jax.jit(
+        lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed), scan=scan))), out_shardings=shardings
+    )
     state = nnx.state(abstract)
     nnx.replace_by_pure_dict(state, init())
     return nnx.merge(graphdef, state)
@@ -149,7 +241,7 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
-def abstract_model(cfg: ModelConfig) -> Transformer:
+def abstract_model(cfg: ModelConfig, *, scan: bool = False) -> Transformer:
     """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes only, no memory."""
     with abstract_params():
-        return Transformer(cfg, rngs=nnx.Rngs(0))
+        return Transformer(cfg, rngs=nnx.Rngs(0), scan=scan)

@@ -147,3 +147,17 @@ def test_cli_without_libtpu_says_how_to_get_it():
 def test_cli_bad_arguments_name_the_argument(args, message):
     r = _cli("compile", *args)
     assert r.returncode in (1, 2) and message in r.stderr, r.stderr[-2000:]
+
+
+def test_out_of_hbm_compile_error_gives_the_bytes_xla_needed():
+    from jaxmoe.aot import exhausted_memory  # noqa: PLC0415
+
+    msg = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(943.56G) exceeds available HBM (95.74G)."
+    )
+    assert exhausted_memory(msg) == {"temp_bytes": int(943.56 * 2**30)}
+    assert exhausted_memory("RESOURCE_EXHAUSTED: ... required for arguments (512.00M) exceeds ...") == {
+        "argument_bytes": 512 * 2**20
+    }
+    assert exhausted_memory("INTERNAL: something else (943.56G)") is None

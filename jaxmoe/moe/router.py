@@ -63,3 +63,21 @@ def route(
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         weights = weights * moe.routed_scaling_factor
     return weights, indices.astype(jnp.int32), scores
+
+
+def sequence_balance_loss(scores: jax.Array, indices: jax.Array, num_experts: int) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss of one MoE layer (eqs. 17-20), before its weight.
+
+    ``L = mean_b sum_e f[b, e] P[b, e]`` with ``f = E / (K T) * #{t : e in top-k(t)}`` (no
+    gradient) and ``P = mean_t s'[b, t, e]``, ``s'`` the sigmoid scores normalised over experts.
+
+    Args:
+        scores: ``[B, T, E]`` fp32 unbiased sigmoid router scores.
+        indices: ``[B, T, K]`` int32 chosen experts.
+        num_experts: E.
+    """
+    T, K = indices.shape[1], indices.shape[2]
+    chosen = jnp.sum(jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), axis=2)  # [B, T, E]
+    f = jax.lax.stop_gradient(jnp.sum(chosen, axis=1) * (num_experts / (K * T)))  # [B, E]
+    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)  # [B, E]
+    return jnp.mean(jnp.sum(f * p, axis=-1))

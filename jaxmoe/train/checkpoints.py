@@ -24,7 +24,8 @@ from jaxmoe.chat.tokenizer import TOKENIZER_FILE, copy_tokenizer_files, tokenize
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import MXFP4_WEIGHTS, Config, ConfigError, MeshConfig, from_config_dict, validate
 from jaxmoe.errors import CheckpointError
-from jaxmoe.model import abstract_model
+from jaxmoe.layer_plan import unstack_layers
+from jaxmoe.model import abstract_model, layer_plan
 from jaxmoe.paths import Path, is_uri, resolve, upload_tree
 
 CHECKPOINT_DIR = "checkpoints"
@@ -51,12 +52,15 @@ def restore_model(root: str | pathlib.Path, step: int | None = None) -> tuple[Co
         if step is None:
             raise CheckpointError(f"checkpoint root {str(root)!r} holds no complete step")
     cfg = stored_config(root, step)  # first, to build the restore target
-    graphdef, state = nnx.split(abstract_model(cfg.model))
+    scan = cfg.train.scan_layers  # a run's checkpoints are in its layout; the model returned is per layer
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), nnx.to_pure_dict(state))
+    stored = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model, scan=scan)))
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), stored)
     with CheckpointManager(root) as mgr:
         restored = mgr.restore(step, params=target)
-    nnx.replace_by_pure_dict(state, restored.params)
+    params = unstack_layers(restored.params, layer_plan(cfg.model)) if scan else restored.params
+    graphdef, state = nnx.split(abstract_model(cfg.model))
+    nnx.replace_by_pure_dict(state, params)
     return restored.config, nnx.merge(graphdef, state)
 
 

@@ -38,6 +38,8 @@ from jaxmoe.config import (
 )
 from jaxmoe.data.pipeline import PackedBatches, build_token_data, heldout_batches
 from jaxmoe.errors import CheckpointError
+from jaxmoe.layer_plan import unstack_layers
+from jaxmoe.model import layer_plan
 from jaxmoe.paths import Path, is_uri, resolve
 from jaxmoe.sharding import make_mesh
 from jaxmoe.train.checkpoints import (
@@ -104,6 +106,12 @@ def _checkpoint_items(state: TrainState) -> tuple[dict, dict]:
 
 
 def _check_same_model(cfg: Config, stored: Config, where: pathlib.Path) -> None:
+    if stored.train.scan_layers != cfg.train.scan_layers:
+        raise ConfigError(
+            f"{where} holds a checkpoint in the {'stacked' if stored.train.scan_layers else 'per-layer'} layout "
+            f"(scan_layers={stored.train.scan_layers}); resume with scan_layers={stored.train.scan_layers} "
+            "or use a new workdir"
+        )
     if stored.model == cfg.model:
         return
     fields = dataclasses.fields(cfg.model)
@@ -160,6 +168,8 @@ def _export(state: TrainState, cfg: Config, workdir: Path, log) -> str:
         return str(dst)
     tokenizer = workdir / TOKENIZER_FILE
     params = deep_merge(state.params, state.router_bias)
+    if cfg.train.scan_layers:  # model checkpoints are per layer
+        params = unstack_layers(params, layer_plan(cfg.model))
     if jax.process_count() == 1:
         note = write_export(jax.tree.map(np.asarray, params), cfg, dst, tokenizer)
     else:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmoe.config import OptimConfig
+from jaxmoe.layer_plan import STACK_KEY
 
 
 def learning_rate(o: OptimConfig, steps: int):
@@ -39,7 +40,14 @@ def learning_rate(o: OptimConfig, steps: int):
 
 
 def _decay_mask(params):
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Matrices decay, vectors (norm weights, biases) do not; a stacked layer's leading axes
+    (one per ``STACK_KEY`` on its path, :mod:`jaxmoe.layer_plan`) do not count."""
+
+    def decays(path, p):
+        stacked = sum(1 for k in path if getattr(k, "key", None) == STACK_KEY)
+        return p.ndim - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def _clip(max_norm: float) -> optax.GradientTransformation:

@@ -34,10 +34,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.attention.dsa import DSA
 from jaxmoe.config import Config, TrainConfig
-from jaxmoe.model import abstract_model, create_model
+from jaxmoe.layer_plan import stack_layers, unstack_layers
+from jaxmoe.model import abstract_model, create_model, layer_plan
 from jaxmoe.moe.router import RouterBias
 from jaxmoe.sharding import logical_to_spec, state_shardings
-from jaxmoe.train.dsa_loss import indexer_kl_loss
 from jaxmoe.train.optim import indexer_warmup_optimizer, learning_rate, model_optimizer
 
 STAGES = ("warmup", "main")
@@ -100,33 +100,18 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets))
 
 
-def sequence_balance_loss(scores: jax.Array, indices: jax.Array, num_experts: int) -> jax.Array:
-    """DeepSeek-V3's sequence-wise balance loss of one MoE layer (eqs. 17-20), before its weight.
+def update_router_bias(router_bias: dict, loads: dict[int, jax.Array], rate: float, plan=None) -> dict:
+    """``bias_e += rate * sign(mean load - load_e)`` for every MoE layer (loads ``[E]`` per layer).
 
-    ``L = mean_b sum_e f[b, e] P[b, e]`` with ``f = E / (K T) * #{t : e in top-k(t)}`` (no
-    gradient) and ``P = mean_t s'[b, t, e]``, ``s'`` the sigmoid scores normalised over experts.
-
-    Args:
-        scores: ``[B, T, E]`` fp32 unbiased sigmoid router scores.
-        indices: ``[B, T, K]`` int32 chosen experts.
-        num_experts: E.
+    ``plan``: the biases are in the stacked layout of this layer plan (``None``: per layer).
     """
-    T, K = indices.shape[1], indices.shape[2]
-    chosen = jnp.sum(jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), axis=2)  # [B, T, E]
-    f = jax.lax.stop_gradient(jnp.sum(chosen, axis=1) * (num_experts / (K * T)))  # [B, E]
-    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)  # [B, E]
-    return jnp.mean(jnp.sum(f * p, axis=-1))
-
-
-def update_router_bias(router_bias: dict, loads: dict[int, jax.Array], rate: float) -> dict:
-    """``bias_e += rate * sign(mean load - load_e)`` for every MoE layer (loads ``[E]`` per layer)."""
-    out = router_bias
+    out = unstack_layers(router_bias, plan) if plan is not None else router_bias
     for i, load in loads.items():
-        bias = router_bias["layers"][i]["ffn"]["router_bias"]
+        bias = out["layers"][i]["ffn"]["router_bias"]
         load = load.astype(jnp.float32)
         new = bias + rate * jnp.sign(jnp.mean(load) - load)
         out = merge_into(out, {"layers": {i: {"ffn": {"router_bias": new.astype(bias.dtype)}}}})
-    return out
+    return stack_layers(out, plan) if plan is not None else out
 
 
 class Forward(NamedTuple):
@@ -160,17 +145,18 @@ def forward(
     set_dense_dsa(model, stage == "warmup")
     logits, inter = nnx.capture(lambda m, x: m(x, remat=remat), nnx.Intermediate)(model, inputs)
     lm_loss = cross_entropy(logits, targets)
-    layers = nnx.to_pure_dict(inter).get("layers", {})
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    inter = nnx.to_pure_dict(inter)
+    if model.scan:  # sown stacked over each stack's repetitions: per layer again
+        inter = unstack_layers(inter, layer_plan(cfg.model))
+    layers = inter.get("layers", {})
     zero = jnp.zeros((), jnp.float32)
     indexer_kl, seq_aux, loads, drops = zero, zero, {}, {}
-    for i, layer in enumerate(model.layers):
+    for i in range(cfg.model.num_layers):
         sown = layers.get(i, {})
-        if "attn_input" in sown:
-            indexer_kl += indexer_kl_loss(layer.attn, sown["attn_input"][0], positions, sparse=stage == "main")
-        if "router" in sown:
-            scores, indices = sown["router"][0]
-            seq_aux += sequence_balance_loss(scores, indices, cfg.model.moe.num_experts)
+        if "indexer_kl" in sown:
+            indexer_kl += sown["indexer_kl"][0]
+        if "seq_aux" in sown:
+            seq_aux += sown["seq_aux"][0]
             stats = sown["ffn"]["moe_stats"][0]
             loads[i], drops[i] = stats.expert_load, stats.drop_fraction
     return Forward(lm_loss, indexer_kl, seq_aux, loads, drops)
@@ -205,6 +191,7 @@ def program_config(cfg: Config) -> Config:
         batch_size=t.batch_size,
         seq_len=t.seq_len,
         remat=t.remat,
+        scan_layers=t.scan_layers,
         optim=t.optim,
         moe_balance=t.moe_balance,
         dsa=t.dsa,
@@ -258,7 +245,8 @@ def train_step(graphdef, cfg: Config, stage: str, state: TrainState, inputs, tar
     params = optax.apply_updates(state.params, updates)
     bias = state.router_bias
     if t.moe_balance.bias_rate:
-        bias = update_router_bias(bias, out.expert_load, t.moe_balance.bias_rate)
+        plan = layer_plan(cfg.model) if t.scan_layers else None
+        bias = update_router_bias(bias, out.expert_load, t.moe_balance.bias_rate, plan)
     new = TrainState(params, bias, opt, state.indexer_opt_state)
     return new, _metrics(out, total, optax.global_norm(grads))
 
@@ -287,7 +275,7 @@ class Trainer:
         self.program = program_config(cfg)
         self.warmup_steps, self.main_steps = split_steps(cfg)
         self.tx, self.indexer_tx = optimizers(cfg)
-        graphdef, params, bias = nnx.split(abstract_model(cfg.model), nnx.Param, RouterBias)
+        graphdef, params, bias = nnx.split(abstract_model(cfg.model, scan=cfg.train.scan_layers), nnx.Param, RouterBias)
         self.graphdef = graphdef
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "seq")))
@@ -314,7 +302,7 @@ class Trainer:
     # --- state ---------------------------------------------------------------------------------
     def init_state(self, seed: int) -> TrainState:
         """Fresh parameters (``create_model(seed)``, sharded at creation) and optimizer states."""
-        model = create_model(self.cfg.model, seed=seed, mesh=self.mesh)
+        model = create_model(self.cfg.model, seed=seed, mesh=self.mesh, scan=self.cfg.train.scan_layers)
         _, params, bias = nnx.split(model, nnx.Param, RouterBias)
         params, bias = nnx.to_pure_dict(params), nnx.to_pure_dict(bias)
         opt = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)

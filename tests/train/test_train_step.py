@@ -13,10 +13,10 @@ from flax import nnx
 
 from jaxmoe.config import MeshConfig, OptimConfig
 from jaxmoe.model import create_model
-from jaxmoe.moe.router import RouterBias
+from jaxmoe.moe.router import RouterBias, sequence_balance_loss
 from jaxmoe.sharding import make_mesh
 from jaxmoe.train.optim import learning_rate
-from jaxmoe.train.step import Trainer, cross_entropy, forward, sequence_balance_loss, update_router_bias
+from jaxmoe.train.step import Trainer, cross_entropy, forward, update_router_bias
 
 
 def _host(tree):
