@@ -10,8 +10,14 @@ families: d_model 7168, MLA with 64 heads, q latent 1536, KV latent 512 + 64-d R
 top 2,048 tokens, KDA with 64 heads x 128, and a DeepSeek MoE of 640 routed experts (ffw 2112, 8
 groups of 80, 4 kept) with 16 routed experts per token plus a shared expert three experts wide
 (DeepSeek's n_shared_experts=3), the first layer dense (ffw 18432). YaRN (factor 32
-over a 32K original window) stretches RoPE to 1M tokens. Mesh: a v5p-2048-style slice
-(data 4 x fsdp 16 x expert 32 x tensor 1), 2048 chips: 20 experts per chip.
+over a 32K original window) stretches RoPE to 1M tokens.
+
+Mesh and training step: one v5p-4096 slice (2,048 chips, topology 8x16x16) as fsdp 128 x expert 16
+(40 routed experts a chip), one 4,096-token sequence a chip, capacity dispatch, remat and the
+layer scan. Compiled for that slice from a CPU host it needs 77.2 GB of a chip's 95 GB
+(docs/tpu.md, "Compiled for the slice"):
+
+    jaxmoe compile --config configs/target.py --topology v5p:8x16x16
 """
 
 import ml_collections
@@ -76,7 +82,12 @@ def get_config(arg=None):
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
             first_k_dense=1,
+            dispatch="capacity",  # expert-parallel with fixed buffers: "dense" holds every expert on every chip
         ),
     )
-    c.mesh = dict(data=4, fsdp=16, expert=32, context=1, tensor=1)
+    c.mesh = dict(data=1, fsdp=128, expert=16, context=1, tensor=1)
+    c.batch_size = 2048  # one sequence a chip
+    c.seq_len = 4096
+    c.remat = True
+    c.scan_layers = True
     return c

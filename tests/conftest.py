@@ -88,6 +88,7 @@ def run(cfg, tmp_path_factory):
 SLOW_FILES = (
     "launch/test_local.py",
     "test_aot.py",
+    "train/test_layer_scan.py",
     "serve/test_server_ops.py",
     "checkpoint/test_checkpoint_multiprocess.py",
     "inference/test_multiprocess.py",

@@ -486,7 +486,7 @@ def test_docs_show_the_real_dry_run_output(fake):
 # Both launchers: the config against the slice, before anything is created
 
 
-TARGET_MESH = "mesh {'data': 4, 'fsdp': 16, 'expert': 32, 'context': 1, 'tensor': 1} has 2048 devices"
+TARGET_MESH = "mesh {'data': 1, 'fsdp': 128, 'expert': 16, 'context': 1, 'tensor': 1} has 2048 devices"
 
 
 @pytest.mark.parametrize("dry", [True, False])

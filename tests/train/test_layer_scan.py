@@ -135,16 +135,16 @@ def test_same_values_in_both_layouts(scan_cfg):
 
 
 @pytest.mark.parametrize(
-    ("kinds", "mesh_cfg", "stage"),
+    ("kinds", "mesh_cfg", "stage", "remat"),
     [
-        (KINDS, MeshConfig(fsdp=2, expert=2, tensor=2), "main"),
-        (("mla", "dsa", "dsa"), MeshConfig(data=2, expert=2, context=2), "warmup"),
+        (KINDS, MeshConfig(fsdp=2, expert=2, tensor=2), "main", True),
+        (("mla", "dsa", "dsa"), MeshConfig(data=2, expert=2, context=2), "warmup", False),
     ],
-    ids=["nested-fsdp2_expert2_tensor2-main", "dsa2-data2_expert2_context2-warmup"],
+    ids=["nested-fsdp2_expert2_tensor2-main-remat", "dsa2-data2_expert2_context2-warmup"],
 )
-def test_scan_equals_loop_losses_and_gradients(scan_cfg, tokens, kinds, mesh_cfg, stage):
-    """Forward, sown losses and statistics, every gradient, remat on: the scanned model (the same
-    values, stacked) against the per-layer loop."""
+def test_scan_equals_loop_losses_and_gradients(scan_cfg, tokens, kinds, mesh_cfg, stage, remat):
+    """Forward, sown losses and statistics, every gradient: the scanned model (the same values,
+    stacked) against the per-layer loop."""
     model = dataclasses.replace(scan_cfg.model, num_layers=len(kinds), layer_kinds=kinds)
     cfg = dataclasses.replace(scan_cfg, model=model, mesh=mesh_cfg)
     inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
@@ -162,7 +162,7 @@ def test_scan_equals_loop_losses_and_gradients(scan_cfg, tokens, kinds, mesh_cfg
                 params, bias = stack_layers(params, plan), stack_layers(bias, plan)
 
             def loss(params, graphdef=graphdef, bias=bias):
-                out = forward(graphdef, params, bias, inputs, targets, cfg=cfg, stage=stage, remat=True)
+                out = forward(graphdef, params, bias, inputs, targets, cfg=cfg, stage=stage, remat=remat)
                 return out.lm_loss + 1e-2 * out.seq_aux + out.indexer_kl, out
 
             (total, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
