@@ -105,6 +105,19 @@ def exhausted_memory(message: str) -> dict[str, int] | None:
     return {key: int(float(m.group(2)) * _UNITS[m.group(3)])}
 
 
+def _compile(lowered) -> tuple[Any, dict[str, int], str | None]:
+    """``(compiled, memory, None)``, or ``(None, the bytes XLA said it needed, its message)`` when
+    XLA refuses the program for want of HBM (``total_bytes`` then a lower bound)."""
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        needed = exhausted_memory(str(e))
+        if needed is None:
+            raise
+        return None, {**needed, "total_bytes": max(needed.values())}, str(e).splitlines()[0]
+    return compiled, memory(compiled), None
+
+
 def _flops(compiled) -> float:
     return float((compiled.cost_analysis() or {}).get("flops", 0.0))
 
@@ -237,16 +250,7 @@ def compile_for(
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
     hbm = CHIPS[kind].hbm_bytes  # one device a chip (slice_mesh checked)
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        needed = exhausted_memory(str(e))
-        if needed is None:
-            raise
-        compiled, mem = None, {**needed, "total_bytes": max(needed.values())}  # a lower bound
-        error = str(e).splitlines()[0]
-    else:
-        mem, error = memory(compiled), None
+    compiled, mem, error = _compile(lowered)
     compile_s = time.perf_counter() - start
     flops = _flops(compiled) * len(devices) if compiled is not None else None
     report = {

@@ -96,8 +96,7 @@ class MoEConfig:
     norm_topk_prob: bool = True
     first_k_dense: int = 0
     dispatch: str = "dense"
-    # dispatch == "capacity": each expert takes ceil(capacity_factor * n * K / E) assignments from
-    # each shard's n tokens; the rest are dropped (and counted).
+    # "capacity": an expert takes ceil(capacity_factor * n * K / E) of a shard's n tokens; the rest drop (counted)
     capacity_factor: float = 1.25
 
 
@@ -190,7 +189,7 @@ class TrainConfig:
     batch_size: int = 8  # global, in sequences
     seq_len: int = 128
     remat: bool = False  # recompute each decoder layer's activations in the backward pass
-    scan_layers: bool = False  # repeating blocks of layers stacked and run by lax.scan (jaxmoe.layer_plan)
+    scan_layers: bool = False  # repeating blocks of layers stacked, run by lax.scan (jaxmoe.layer_plan)
     log_every: int = 1
     eval_every: int = 50  # held-out loss every N steps and at the end; 0: only at the end
     eval_batches: int = 4
