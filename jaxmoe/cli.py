@@ -1,4 +1,5 @@
-"""The ``jaxmoe`` command line: ``info``, ``convert``, ``logits``, ``train``, ``compile``, ``generate``, ``serve``.
+"""The ``jaxmoe`` command line: ``info``, ``convert``, ``logits``, ``train``, ``compile``, ``generate``, ``serve``,
+``agent``.
 
 Every subcommand has ``--help``. Bad arguments exit with status 2 and a message naming the
 argument; bad configs and checkpoints exit with status 1 and a message naming the field or tensor.
@@ -367,6 +368,25 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     return srv
 
 
+def _cmd_agent(args) -> int:
+    from jaxmoe.agent.cli import run  # noqa: PLC0415
+
+    return run(args)
+
+
+def _add_agent(sub) -> None:
+    from jaxmoe.agent.cli import add_arguments  # noqa: PLC0415
+
+    agent = sub.add_parser(
+        "agent",
+        help="run a task against an OpenAI-compatible endpoint with sandboxed file and shell tools",
+        description="An AgentSession over --base-url: the whole history kept, tool calls validated and run, "
+        "retries with backoff; the final answer on stdout.",
+    )
+    add_arguments(agent)
+    agent.set_defaults(fn=_cmd_agent, parser=agent)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -386,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub)
     gen = _add_generate(sub)
     _add_serve(sub)
+    _add_agent(sub)
     for sp in (train, gen):
         sp.set_defaults(parser=sp)
     return p

@@ -44,7 +44,15 @@ async def models(request: Request):
     s = _service(request)
     return {
         "object": "list",
-        "data": [{"id": s.model_name, "object": "model", "created": s.created, "owned_by": "jaxmoe"}],
+        "data": [
+            {
+                "id": s.model_name,
+                "object": "model",
+                "created": s.created,
+                "owned_by": "jaxmoe",
+                "max_model_len": s.engine_limit,  # vLLM's field: the context a request may fill, in tokens
+            }
+        ],
     }
 
 

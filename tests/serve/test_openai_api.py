@@ -3,6 +3,7 @@
 import json
 
 import jsonschema
+import openai
 import pytest
 from conftest import BUDGETS, MODEL
 
@@ -46,6 +47,10 @@ def _ask(text="What is 2 + 2?"):
 def test_models_lists_the_served_model(openai_client):
     models = openai_client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    context = models.data[0].model_extra["max_model_len"]
+    prompt = openai_client.completions.create(model=MODEL, prompt="def f", max_tokens=1).usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match=f"context is {context} tokens"):
+        openai_client.completions.create(model=MODEL, prompt="def f", max_tokens=context - prompt + 1)
 
 
 def test_plain_chat_has_usage_reasoning_and_tier(openai_client):
