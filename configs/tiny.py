@@ -2,18 +2,20 @@
 
     jaxmoe info --config configs/tiny.py
     jaxmoe train --config configs/tiny.py:train --workdir /tmp/tiny [--config.steps=300]
+    jaxmoe rl --config configs/tiny.py:rl --workdir /tmp/tiny_rl --init /tmp/tiny
 
 Mesh: data 2 x fsdp 2 x tensor 2 over XLA's 8 fake CPU devices; with the argument ``train``
 (``configs/tiny.py:train``) the local training mesh data 2 x expert 2 x context 2, experts
-dispatched dropless across the expert axis.
+dispatched dropless across the expert axis. ``configs/tiny.py:rl`` is that model and mesh with the
+``rl`` section of GRPO post-training (``jaxmoe rl``, :class:`jaxmoe.rl.config.RLConfig`).
 """
 
 import ml_collections
 
 
 def get_config(arg=None):
-    if arg not in (None, "", "train"):
-        raise ValueError(f"configs/tiny.py takes no argument or 'train', got {arg!r}")
+    if arg not in (None, "", "train", "rl"):
+        raise ValueError(f"configs/tiny.py takes no argument, 'train' or 'rl', got {arg!r}")
     c = ml_collections.ConfigDict()
     c.name = "tiny"
     c.model = dict(
@@ -50,7 +52,7 @@ def get_config(arg=None):
         ),
     )
     c.mesh = dict(data=2, fsdp=2, expert=1, context=1, tensor=2)
-    if arg == "train":
+    if arg in ("train", "rl"):
         c.mesh = dict(data=2, fsdp=1, expert=2, context=2, tensor=1)
         c.model.moe.dispatch = "dropless"
 
@@ -79,4 +81,25 @@ def get_config(arg=None):
     c.moe_balance = dict(bias_rate=1e-2, seq_aux_loss_weight=1e-4)
     c.dsa = dict(warmup_steps=10, warmup_learning_rate=1e-3, indexer_loss_weight=1.0)
     c.data = dict(max_bytes=2_000_000, heldout_fraction=0.02, cache_dir="")
+    if arg == "rl":
+        # GRPO from the local run: 6 prompts (2 per domain) x 8 completions a step, a few minutes on CPU.
+        c.rl = dict(
+            steps=40,
+            seed=0,
+            domains=("code", "tool_args", "budget"),
+            prompts_per_step=6,
+            group_size=8,
+            max_tokens=32,
+            temperature=1.0,
+            thinking=dict(low=4, high=8, max=16),
+            epsilon_low=0.2,
+            epsilon_high=0.28,
+            beta=0.0,
+            is_cap=2.0,
+            optim=dict(learning_rate=2e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0),
+            eval_every=20,
+            eval_prompts=8,
+            eval_samples=4,
+            checkpoint_every=10,
+        )
     return c

@@ -1,5 +1,5 @@
 """The ``jaxmoe`` command line: ``info``, ``convert``, ``logits``, ``train``, ``compile``, ``generate``, ``serve``,
-``agent``.
+``agent``, ``rl``.
 
 Every subcommand has ``--help``. Bad arguments exit with status 2 and a message naming the
 argument; bad configs and checkpoints exit with status 1 and a message naming the field or tensor.
@@ -119,6 +119,22 @@ def _cmd_train(args) -> int:
     from jaxmoe.train.loop import summary_line, train  # noqa: PLC0415
 
     summary = train(cfg, args.workdir, progress=not args.no_progress)
+    import jax  # noqa: PLC0415
+
+    if jax.process_index() == 0:
+        print(summary_line(summary), flush=True)
+    return 0
+
+
+def _cmd_rl(args) -> int:
+    from jaxmoe.rl.config import load_rl_config  # noqa: PLC0415
+
+    cfg, rl = load_rl_config(args.config, args.overrides)
+    _init_distributed(args, args.parser)
+    from jaxmoe.rl.loop import train_rl  # noqa: PLC0415
+    from jaxmoe.train.loop import summary_line  # noqa: PLC0415
+
+    summary = train_rl(cfg, rl, args.workdir, args.init, progress=not args.no_progress)
     import jax  # noqa: PLC0415
 
     if jax.process_index() == 0:
@@ -298,6 +314,23 @@ def _add_train(sub) -> argparse.ArgumentParser:
     return train
 
 
+def _add_rl(sub) -> argparse.ArgumentParser:
+    rl = sub.add_parser(
+        "rl",
+        help="GRPO post-training of a trained run: engine rollouts over verifiable-reward domains (resumes from "
+        "DIR/checkpoints)",
+        epilog="Config overrides: --config.rl.steps=20 --config.rl.group_size=4 --config.rl.thinking.max=12 "
+        "(rl.* the RL section, any other key the model/mesh as for train).",
+    )
+    rl.add_argument("--config", required=True, help="config file with an rl section (e.g. configs/tiny.py:rl)")
+    rl.add_argument("--workdir", required=True, help="the RL run directory (checkpoints, metrics)")
+    rl.add_argument("--init", required=True, help="the training workdir (or its checkpoints/ root) to start from")
+    _add_distributed_flags(rl)
+    rl.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    rl.set_defaults(fn=_cmd_rl)
+    return rl
+
+
 def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int, default=None, help="number of processes (multi-process runs)")
@@ -407,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = _add_generate(sub)
     _add_serve(sub)
     _add_agent(sub)
-    for sp in (train, gen):
+    rl = _add_rl(sub)
+    for sp in (train, gen, rl):
         sp.set_defaults(parser=sp)
     return p
 
@@ -422,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     except OverrideError as e:
         parser.error(str(e))
     args = parser.parse_args(argv)
-    if overrides and args.command not in ("train", "compile"):
-        parser.error(f"--config.KEY=VALUE flags belong to train and compile, not {args.command}: {overrides[0][0]}")
+    if overrides and args.command not in ("train", "compile", "rl"):
+        parser.error(f"--config.KEY=VALUE flags belong to train, compile and rl, not {args.command}: {overrides[0][0]}")
     args.overrides = overrides
     try:
         return args.fn(args)

@@ -95,6 +95,7 @@ SLOW_FILES = (
     "train/test_train_multiprocess.py",
     "inference/test_forward.py",
     "inference/test_engine.py",
+    "rl/test_rl_loop.py",
 )
 
 

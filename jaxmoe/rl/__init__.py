@@ -1,0 +1,1 @@
+"""GRPO post-training: engine rollouts over verifiable-reward domains, the loss, the job (``jaxmoe rl``)."""

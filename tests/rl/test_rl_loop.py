@@ -1,0 +1,115 @@
+"""The RL job on the shared tiny run: engine vs trainer log-probabilities (one device and the
+8-device mesh), a short GRPO run, kill and resume, and config errors."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from tiny_run import OVERRIDES
+
+from jaxmoe.chat.tokenizer import Tokenizer
+from jaxmoe.config import MESH_AXES, ConfigError, MeshConfig
+from jaxmoe.rl.config import load_rl_config
+from jaxmoe.rl.domains import DOMAINS
+from jaxmoe.rl.loop import _engine, _restore_params, init_root, step_seeds, train_rl
+from jaxmoe.rl.rollout import host_batch, rollout
+from jaxmoe.rl.step import RLTrainer
+from jaxmoe.sharding import make_mesh
+from jaxmoe.train.step import Trainer
+
+MODEL_KEYS = [(k, v) for k, v in OVERRIDES if k.startswith("model.")]
+SMALL = [
+    ("rl.steps", "2"),
+    ("rl.prompts_per_step", "3"),
+    ("rl.group_size", "4"),
+    ("rl.max_tokens", "24"),
+    ("rl.eval_prompts", "1"),
+    ("rl.eval_samples", "2"),
+    ("rl.eval_every", "0"),
+    ("rl.checkpoint_every", "1"),
+]
+TIMING = ("rollout_s", "train_s", "rollout_share", "rollout_tokens_per_s", "train_tokens_per_s")
+
+
+def _configs(extra=()):
+    return load_rl_config("configs/tiny.py:rl", [*MODEL_KEYS, *SMALL, *extra])
+
+
+@pytest.mark.parametrize("mesh_shape", ["one_device", "data2_expert2_context2"])
+def test_engine_logprobs_equal_the_trainers(run, mesh_shape):
+    cfg, rl = _configs()
+    if mesh_shape == "one_device":
+        cfg = dataclasses.replace(cfg, mesh=MeshConfig())
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), MESH_AXES)
+    else:
+        mesh = make_mesh(cfg.mesh)
+    root, tok_dir = init_root(run.workdir)
+    tokenizer = Tokenizer.load(tok_dir)
+    with jax.set_mesh(mesh):
+        trainer = Trainer(cfg, mesh)
+        rt = RLTrainer(trainer, rl)
+        params, bias = _restore_params(root, trainer, cfg)
+        engine = _engine(cfg, rl, nnx.merge(trainer.graphdef, params, bias), tokenizer, mesh)
+        prompts = [DOMAINS[d].prompts("train", 1, 0)[0] for d in ("code", "tool_args", "budget")]
+        outs = rollout(
+            engine, tokenizer, prompts, samples=4, seeds=step_seeds(rl, 0, 12),
+            budgets={"low": 4, "high": 8, "max": 16}, max_tokens=24, temperature=1.0, top_p=1.0,
+        )  # fmt: skip
+        host = host_batch(outs, cfg.model.vocab_size)
+        s = rt.batch_shardings
+        logp, _ = rt.logprobs(params, bias, rt.put(host.inputs, s.inputs), rt.put(host.targets, s.targets),
+                              rt.put(host.allowed, s.allowed))  # fmt: skip
+    logp = np.asarray(logp)
+    on = host.mask > 0
+    assert on.sum() == sum(len(r.output_ids) for r in outs) > 20
+    # Some tokens were sampled under a constraint that removed part of the vocabulary.
+    assert (~host.allowed[on]).any()
+    np.testing.assert_allclose(logp[on], host.engine_logp[on], atol=1e-5, rtol=0)
+
+
+def _records(workdir):
+    import json
+
+    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _strip(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def test_rl_run_resumes_bit_for_bit(run, tmp_path):
+    cfg, rl = _configs()
+    whole = train_rl(cfg, rl, tmp_path / "whole", run.workdir, progress=False, stdout=False)
+    assert whole["step"] == 2 and set(whole["heldout_reward"]) == {"code", "tool_args", "budget"}
+    records = _records(tmp_path / "whole")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["logprob_diff_max"] < 1e-5 and r["is_masked_fraction"] == 0.0
+        assert set(r["reward"]) == {"code", "tool_args", "budget"} and r["tokens"] > 0
+    # The update moved the weights unless every group was all-equal (zero advantages).
+    assert any(r["grad_norm"] > 0 for r in steps) or all(r["zero_variance_groups"] == 1.0 for r in steps)
+
+    part = tmp_path / "killed"
+    train_rl(cfg, rl, part, run.workdir, stop_after=1, progress=False, stdout=False)
+    assert [r["step"] for r in _records(part) if "loss" in r] == [1]
+    train_rl(cfg, rl, part, run.workdir, progress=False, stdout=False)
+    assert _strip(_records(part)) == _strip(records)
+
+
+def test_rl_config_errors_name_the_field(run, tmp_path):
+    with pytest.raises(ConfigError, match="rl.group_size"):
+        _configs([("rl.group_size", "1")])
+    with pytest.raises(ConfigError, match="rl.domains"):
+        _configs([("rl.domains", "code,chess")])
+    with pytest.raises(ConfigError, match="rl.thinking.max"):
+        _configs([("rl.thinking.max", "40")])
+    with pytest.raises(ConfigError, match="unknown key 'stepz'"):
+        _configs([("rl.stepz", "3")])
+    cfg, rl = load_rl_config("configs/tiny.py:rl", SMALL)  # the 4-layer model: not what the run holds
+    with pytest.raises(ConfigError, match="model.num_layers differs"):
+        train_rl(cfg, rl, tmp_path / "other", run.workdir, progress=False, stdout=False)
+    with pytest.raises(Exception, match="--init"):
+        train_rl(*_configs(), tmp_path / "x", tmp_path / "nothing", progress=False, stdout=False)
