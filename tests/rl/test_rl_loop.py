@@ -1,13 +1,19 @@
 """The RL job on the shared tiny run: engine vs trainer log-probabilities (one device and the
-8-device mesh), a short GRPO run, kill and resume, and config errors."""
+8-device mesh), a short GRPO run, kill and resume, 2 processes x 4 devices against 1 x 8, and
+config errors."""
 
 import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_run import OVERRIDES
+from tiny_run import OVERRIDES, ROOT
 
 from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.config import MESH_AXES, ConfigError, MeshConfig
@@ -70,8 +76,6 @@ def test_engine_logprobs_equal_the_trainers(run, mesh_shape):
 
 
 def _records(workdir):
-    import json
-
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -79,11 +83,18 @@ def _strip(records):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
-def test_rl_run_resumes_bit_for_bit(run, tmp_path):
+@pytest.fixture(scope="module")
+def whole(run, tmp_path_factory):
+    """The short GRPO run on the 8-device mesh, one process: ``(summary, workdir)``."""
+    workdir = tmp_path_factory.mktemp("rl") / "whole"
+    return train_rl(*_configs(), workdir, run.workdir, progress=False, stdout=False), workdir
+
+
+def test_rl_run_resumes_bit_for_bit(run, whole, tmp_path):
     cfg, rl = _configs()
-    whole = train_rl(cfg, rl, tmp_path / "whole", run.workdir, progress=False, stdout=False)
-    assert whole["step"] == 2 and set(whole["heldout_reward"]) == {"code", "tool_args", "budget"}
-    records = _records(tmp_path / "whole")
+    summary, workdir = whole
+    assert summary["step"] == 2 and set(summary["heldout_reward"]) == {"code", "tool_args", "budget"}
+    records = _records(workdir)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
@@ -97,6 +108,54 @@ def test_rl_run_resumes_bit_for_bit(run, tmp_path):
     assert [r["step"] for r in _records(part) if "loss" in r] == [1]
     train_rl(cfg, rl, part, run.workdir, progress=False, stdout=False)
     assert _strip(_records(part)) == _strip(records)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(run, whole, tmp_path):
+    """Process 0 schedules the engine (process 1 follows its steps), broadcasts the batch; both update."""
+    workdir = tmp_path / "two"
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    }
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    argv = [sys.executable, "-m", "jaxmoe", "rl", "--config", "configs/tiny.py:rl", "--workdir", str(workdir)]
+    argv += ["--init", str(run.workdir), "--no-progress", "--coordinator_address", f"127.0.0.1:{_free_port()}"]
+    argv += [f"--config.{k}={v}" for k, v in (*MODEL_KEYS, *SMALL)]
+    procs = [
+        subprocess.Popen([*argv, "--num_processes", "2", "--process_id", str(i)], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    # Process 0 writes the metrics and prints them (and the summary); process 1 prints nothing.
+    assert [line for line in outs[1][0].splitlines() if line.startswith("{")] == []
+    assert json.loads(outs[0][0].splitlines()[-1])["step"] == 2
+    two, one = _records(workdir), _records(whole[1])
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2]
+    # Both processes saved (Orbax, multi-process) every step's checkpoint.
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+    # The rollouts (sampled on process 0 of either run) are the same tokens: their stats are equal.
+    host = {"step", "learning_rate", "rollout_tokens", "train_tokens", "heldout_reward"}
+    for a, b in zip(_strip(two), _strip(one), strict=True):
+        assert set(a) == set(b)
+        for key, value in b.items():
+            if key in host or key.startswith(("reward", "completion_", "reasoning_", "zero_", "truncated_")):
+                assert a[key] == value, key
+            elif key.startswith("logprob_diff"):  # both below 1e-5 (engine vs trainer, same weights)
+                assert a[key] < 1e-5 and value < 1e-5, key
+            else:
+                # Cross-process all-reduces (gloo) sum in another order than in-process ones: fp32 rounding.
+                np.testing.assert_allclose(a[key], value, rtol=2e-6, atol=1e-8, err_msg=key)
 
 
 def test_rl_config_errors_name_the_field(run, tmp_path):
