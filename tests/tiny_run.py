@@ -6,10 +6,32 @@ jitted with static config), so the tests that train the same config again pay no
 
 import dataclasses
 import json
+import os
 import pathlib
+import socket
 
 ROOT = pathlib.Path(__file__).parents[1]
 TINY_TRAIN = f"{ROOT / 'configs/tiny.py'}:train"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a coordinator's or a server's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(devices: int) -> dict[str, str]:
+    """The environment of one process of a multi-process CPU run: ``devices`` fake devices, fp32 matmuls."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    }
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    return env
+
 
 # The tiny model cut to one DSA + MoE layer (DSA's dense warm-up is MLA), trained for 6 steps on
 # the config's mesh data 2 x expert 2 x context 2: 2 warm-up steps, then 4 sparse ones (top-8 of 32).

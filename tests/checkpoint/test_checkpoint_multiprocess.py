@@ -6,13 +6,13 @@ The export then loads in this process equal, bit for bit, to the quantized state
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
 from flax import nnx
+from tiny_run import free_port
 
 from jaxmoe.checkpoint.io import load_model
 from jaxmoe.config import from_config_dict, load_config_dict
@@ -28,16 +28,10 @@ CONFIG = str(ROOT / "configs/tiny.py")
 MODEL = {"model.num_layers": 2, "model.layer_kinds": ["kda", "dsa"], "model.moe.first_k_dense": 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_save_restore_verify_and_export_without_gathering(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     script = str(HERE / "multiprocess_checkpoint.py")
     procs = [
         subprocess.Popen(

@@ -6,12 +6,12 @@ Process 0 schedules and broadcasts each step's arrays; process 1 runs the same j
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from tiny_run import free_port
 
 from jaxmoe.checkpoint.io import save_model
 from jaxmoe.config import load_config
@@ -27,12 +27,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("mp") / "model"
     save_model(create_model(cfg.model, seed=0), cfg, path)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_equal_one(checkpoint, tmp_path):
@@ -51,7 +45,7 @@ def test_two_processes_equal_one(checkpoint, tmp_path):
     done = subprocess.run(one, env=eight, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    port = _free_port()
+    port = free_port()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     two = [sys.executable, "-m", "jaxmoe", *argv, "--out", str(tmp_path / "two.jsonl"), "--no-progress"]
     two += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]

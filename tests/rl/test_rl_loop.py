@@ -4,8 +4,6 @@ config errors."""
 
 import dataclasses
 import json
-import os
-import socket
 import subprocess
 import sys
 
@@ -13,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_run import OVERRIDES, ROOT
+from tiny_run import OVERRIDES, ROOT, free_port, process_env
 
 from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.config import MESH_AXES, ConfigError, MeshConfig
@@ -110,24 +108,12 @@ def test_rl_run_resumes_bit_for_bit(run, whole, tmp_path):
     assert _strip(_records(part)) == _strip(records)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_equal_one(run, whole, tmp_path):
     """Process 0 schedules the engine (process 1 follows its steps), broadcasts the batch; both update."""
     workdir = tmp_path / "two"
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-    }
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env = process_env(4)
     argv = [sys.executable, "-m", "jaxmoe", "rl", "--config", "configs/tiny.py:rl", "--workdir", str(workdir)]
-    argv += ["--init", str(run.workdir), "--no-progress", "--coordinator_address", f"127.0.0.1:{_free_port()}"]
+    argv += ["--init", str(run.workdir), "--no-progress", "--coordinator_address", f"127.0.0.1:{free_port()}"]
     argv += [f"--config.{k}={v}" for k, v in (*MODEL_KEYS, *SMALL)]
     procs = [
         subprocess.Popen([*argv, "--num_processes", "2", "--process_id", str(i)], env=env, cwd=ROOT,

@@ -9,13 +9,13 @@ import dataclasses
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx2 as httpx
 import pytest
+from tiny_run import free_port
 
 KEYS = ("sk-test-alpha", "sk-test-beta")
 BUDGETS = {"low": 8, "high": 16, "max": 32}
@@ -23,12 +23,6 @@ SLOTS = {"low": 1, "high": 1, "max": 1}
 MAX_QUEUE = 2
 MODEL = "tiny-test"
 START_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

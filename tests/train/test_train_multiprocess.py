@@ -2,33 +2,20 @@
 config to the same losses as one process x 8 devices (the ``run`` fixture)."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 from conftest import ROOT, TINY_TRAIN  # noqa: F401 (pytest puts this directory on sys.path)
+from tiny_run import free_port, process_env
 
 from jaxmoe.checkpoint.io import load_model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_equal_one(run, flags, tmp_path):
     workdir = tmp_path / "two"
-    port = _free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-    }
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    port = free_port()
+    env = process_env(4)
     argv = [sys.executable, "-m", "jaxmoe", "train", "--config", TINY_TRAIN, "--workdir", str(workdir), *flags]
     argv += ["--no-progress", "--coordinator_address", f"127.0.0.1:{port}"]
     procs = [
