@@ -200,12 +200,12 @@ class KDA(nnx.Module):
 
         With a mesh whose ``context`` axis has size P > 1 the sequence is split over it (T a
         multiple of P, at least ``conv_kernel - 1`` tokens a shard) and the result is the same.
+        Padded rows (``lengths``: the engine's prefill chunks, a few hundred tokens) are never
+        split: each device scans its rows' whole chunk, whatever the mesh.
         """
         state = self.init_state(x.shape[0]) if state is None else state
         with jax.named_scope('kda'):
-            if context_parallel_size() > 1:
-                if lengths is not None:
-                    raise ValueError("KDA.forward_with_state: lengths (padded rows) need a mesh without a context axis")
+            if lengths is None and context_parallel_size() > 1:
                 (q, k, v, g, beta), conv_state = self._inputs(x, state, context_parallel=True)
                 rule = context_parallel_delta_rule
             else:

@@ -88,10 +88,12 @@ def test_tiny_hybrid_one_device(mxfp4):
 MESHES = {
     "expert2_tensor4": MeshConfig(expert=2, tensor=4),
     "data2_expert2_tensor2": MeshConfig(data=2, expert=2, tensor=2),
+    # The training mesh of configs/tiny.py:train, which jaxmoe rl's rollouts run on.
+    "data2_expert2_context2": MeshConfig(data=2, expert=2, context=2),
 }
 
 
-SHARDED = [("expert2_tensor4", False), ("data2_expert2_tensor2", True)]
+SHARDED = [("expert2_tensor4", False), ("data2_expert2_tensor2", True), ("data2_expert2_context2", False)]
 
 
 def check_sharded(mesh_name: str, mxfp4: bool) -> None:
@@ -109,7 +111,7 @@ def check_sharded(mesh_name: str, mxfp4: bool) -> None:
         np.testing.assert_allclose(got[b], want[b], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("mesh_name, mxfp4", SHARDED, ids=["float", "mxfp4"])
+@pytest.mark.parametrize("mesh_name, mxfp4", SHARDED, ids=["float", "mxfp4", "context"])
 def test_tiny_hybrid_sharded(mesh_name, mxfp4):
     """:func:`check_sharded` in a fresh process: late in the whole suite (hundreds of programs
     compiled in one process) XLA:CPU once crashed compiling the first sharded step."""
