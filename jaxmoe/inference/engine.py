@@ -56,6 +56,11 @@ class EngineConfig:
         compiling it before the step (bit-reproducible outputs). Engines without a mesh only: on a
         mesh the pools take the layout XLA gives the first write's output, which a program compiled
         ahead of time from their initial layout would refuse.
+      max_programs: most step shapes kept compiled. Meeting a new shape with this many compiled
+        drops them all (they recompile as they are met again), because XLA:CPU maps each
+        program's code into memory sections of its own and a process may hold only
+        ``vm.max_map_count`` (65,530) maps: an RL run meeting a few new shapes a step died of it
+        after ~38 steps. Outputs do not depend on it: every step still runs on its own shape.
     """
 
     cache_bytes: int = 1 << 28
@@ -66,9 +71,10 @@ class EngineConfig:
     chunk_size: int = 128
     prefix_cache: bool = True
     compile_in_background: bool = False
+    max_programs: int = 48
 
     def __post_init__(self):
-        for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size"):
+        for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size", "max_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_slots < 0:
@@ -169,7 +175,14 @@ class Engine:
         # preempted sequence's prompt + output again); decode_tokens: the rest; cached_tokens: taken
         # from prefix entries instead of computed.
         # padded_steps: steps run on a covering shape while their own program compiled.
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "padded_steps": 0}
+        self.stats = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "cached_tokens": 0,
+            "padded_steps": 0,
+            "program_evictions": 0,
+        }
 
     # ------------------------------------------------------------------------------------
     # Requests
@@ -301,10 +314,21 @@ class Engine:
         if jax.process_count() > 1:
             broadcast(None)
 
+    def _make_room(self) -> None:
+        """Drops every compiled step program once ``max_programs`` are held (see :class:`EngineConfig`)."""
+        if self.programs.count() < self.config.max_programs:
+            return
+        _step_jit.clear_cache()
+        _write_jit.clear_cache()
+        self.programs.forget()
+        self.stats["program_evictions"] += 1
+
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""
         shape = shape_of(groups, sampling)
         program = None if all_logits else self.programs.program(shape)
+        if program is None and not all_logits and shape not in self.programs.known:
+            self._make_room()
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             if program is not None:
                 step, store = program

@@ -143,6 +143,17 @@ class Programs:
         self.padded_steps += 1
         return min(covering, key=Shape.cost)
 
+    def count(self) -> int:
+        """Programs held: compiled by the step's jit, ahead of time, or compiling now."""
+        with self._lock:
+            return len(self.known) + len(self.ready) + len(self.pending)
+
+    def forget(self) -> None:
+        """Drops every compiled program (the caller cleared the step's jit cache); pending ones stay."""
+        with self._lock:
+            self.known.clear()
+            self.ready.clear()
+
     def program(self, shape: Shape):
         """The ahead-of-time program of ``shape``, or None (the step's jit compiles or has it)."""
         with self._lock:

@@ -284,6 +284,25 @@ def test_step_compiles_for_buckets_not_requests(model):
     assert _step_jit._cache_size() == first  # other requests, the same buckets: no new program
 
 
+def test_past_max_programs_the_programs_are_dropped_and_outputs_do_not_change(model, prompts):
+    """EngineConfig.max_programs: with 2 programs held, meeting a third shape clears the step's
+    compiled programs (XLA:CPU maps each program's code into its own memory sections, and a process
+    holds at most vm.max_map_count maps) and the tokens and log-probabilities stay the same."""
+    requests = [
+        Request(p, max_tokens=7, sampling=SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)
+    ]
+    want = small_engine(model).generate(requests)
+    engine = small_engine(model, max_programs=2)
+    got = engine.generate(requests)
+    assert engine.stats["program_evictions"] >= 1
+    assert engine.programs.count() <= 2
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    with pytest.raises(ValueError, match="max_programs must be >= 1"):
+        small_engine(model, max_programs=0)
+
+
 def test_a_new_shape_runs_padded_while_it_compiles(model, prompts):
     """compile_in_background: a step of a shape the engine has not compiled runs on a compiled shape
     that covers it (more rows, a longer chunk) and gives the same tokens; its own program compiles
