@@ -46,6 +46,38 @@ def _cmd_convert_dequantize(args) -> int:
     return 0
 
 
+def _logits_images(args, cfg, tokens):
+    """The tower's inputs for ``--pixel-values`` and ``--image-grid`` (None without them), checked."""
+    import numpy as np  # noqa: PLC0415
+
+    from jaxmoe.vision import image_grids, merged_tokens, vision_inputs  # noqa: PLC0415
+
+    if (args.pixel_values is None) != (args.image_grid is None):
+        raise SystemExit("jaxmoe logits: error: give --pixel-values and --image-grid together")
+    if args.pixel_values is None:
+        return None
+    vision = cfg.model.vision
+    if vision is None:
+        raise SystemExit("jaxmoe logits: error: --pixel-values given, but the checkpoint's model has no vision tower")
+    try:
+        pixels = np.load(args.pixel_values, allow_pickle=False)
+        grid = np.load(args.image_grid, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"jaxmoe logits: error: --pixel-values / --image-grid: not a readable .npy file ({e})") from e
+    try:
+        grids = image_grids(grid, vision)
+        inputs = vision_inputs(pixels, grids, vision)
+    except ValueError as e:
+        raise SystemExit(f"jaxmoe logits: error: --image-grid / --pixel-values: {e}") from e
+    placeholders = int((tokens == vision.image_token_id).sum())
+    if placeholders != merged_tokens(grids, vision):
+        raise SystemExit(
+            f"jaxmoe logits: error: --tokens hold {placeholders} image placeholder ids ({vision.image_token_id}), "
+            f"the images make {merged_tokens(grids, vision)} tokens"
+        )
+    return inputs
+
+
 def _cmd_logits(args) -> int:
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -67,13 +99,14 @@ def _cmd_logits(args) -> int:
         raise SystemExit(
             f"jaxmoe logits: error: --tokens ids must lie in [0, {vocab}), got [{tokens.min()}, {tokens.max()}]"
         )
+    images = _logits_images(args, cfg, tokens)
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def forward(state, tokens):
-        return nnx.merge(graphdef, state)(tokens)
+    def forward(state, tokens, images):
+        return nnx.merge(graphdef, state)(tokens, images=images)
 
-    logits = np.asarray(forward(state, tokens.astype(np.int32)), dtype=np.float32)
+    logits = np.asarray(forward(state, tokens.astype(np.int32), images), dtype=np.float32)
     np.save(args.out, logits)
     print(json.dumps({"out": str(args.out), "shape": list(logits.shape)}))
     return 0
@@ -432,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
     logits.add_argument("--checkpoint", required=True, help="jaxmoe checkpoint directory: local or gs://B/P")
     logits.add_argument("--tokens", required=True, type=pathlib.Path, help="int32 .npy file [B, T]")
     logits.add_argument("--out", required=True, type=pathlib.Path, help="output .npy file")
+    logits.add_argument(
+        "--pixel-values",
+        type=pathlib.Path,
+        help="float32 .npy [patches, 3, patch, patch] (HF pixel_values): the images at the tokens' placeholders",
+    )
+    logits.add_argument(
+        "--image-grid", type=pathlib.Path, help="int .npy [images, 3] (HF image_grid_thw: t, h, w in patches)"
+    )
     logits.set_defaults(fn=_cmd_logits)
 
     _add_convert(sub)

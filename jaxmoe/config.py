@@ -101,6 +101,40 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A MoonViT vision tower and its projector (Kimi K2.5's image input, :mod:`jaxmoe.vision`).
+
+    Patches of ``patch_size`` pixels get a learned position table of ``pos_emb_height x
+    pos_emb_width`` (resampled bicubically to each image's grid) and 2D rotary angles; each image
+    attends within itself; ``merge_height x merge_width`` neighbouring patches are merged into one
+    language-model token by the projector. An image enters the sequence at ``image_token_id``
+    placeholders, one per merged patch.
+    """
+
+    patch_size: int = 14
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    num_heads: int = 16
+    num_layers: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    merge_height: int = 2
+    merge_width: int = 2
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    projection_norm_eps: float = 1e-5
+    image_token_id: int = 163605
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_size(self) -> int:
+        return self.merge_height * self.merge_width
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256
     d_model: int = 32
@@ -119,6 +153,11 @@ class ModelConfig:
     indexer: IndexerConfig = IndexerConfig()
     kda: KDAConfig = KDAConfig()
     moe: MoEConfig = MoEConfig()
+    vision: VisionConfig | None = None  # None: text only
+
+
+# Sections that are absent (None) unless the config gives them.
+OPTIONAL_SECTIONS = {"vision": VisionConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +278,11 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
     for name, value in values.items():
         f = fields[name]
         default = f.default if f.default is not dataclasses.MISSING else None
+        if cls is ModelConfig and name in OPTIONAL_SECTIONS:
+            if value is None:
+                kwargs[name] = None
+                continue
+            default = OPTIONAL_SECTIONS[name]()
         if dataclasses.is_dataclass(default):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config field {prefix}{name} must be a mapping of fields, got {value!r}")
@@ -402,6 +446,31 @@ def _validate_attention(m: ModelConfig) -> None:
         k = m.kda
         for f in ("num_heads", "head_dim", "conv_kernel", "chunk_size"):
             _positive(getattr(k, f), f"model.kda.{f}")
+    if m.vision is not None:
+        _validate_vision(m)
+
+
+def _validate_vision(m: ModelConfig) -> None:
+    v = m.vision
+    for f in ("patch_size", "pos_emb_height", "pos_emb_width", "num_heads", "num_layers", "hidden_size",
+              "intermediate_size", "merge_height", "merge_width"):  # fmt: skip
+        _positive(getattr(v, f), f"model.vision.{f}")
+    _require(
+        v.hidden_size % v.num_heads == 0,
+        "model.vision.hidden_size",
+        f"{v.hidden_size} is not divisible by model.vision.num_heads={v.num_heads}",
+    )
+    _require(
+        v.head_dim % 4 == 0,
+        "model.vision.num_heads",
+        f"the head dim hidden_size / num_heads = {v.head_dim} must be a multiple of 4 (2D RoPE: two axes of pairs)",
+    )
+    _require(v.rope_theta > 0, "model.vision.rope_theta", f"must be > 0, got {v.rope_theta}")
+    _require(
+        0 <= v.image_token_id < m.vocab_size,
+        "model.vision.image_token_id",
+        f"must be a token id in [0, model.vocab_size={m.vocab_size}), got {v.image_token_id}",
+    )
 
 
 def _validate_moe(m: ModelConfig) -> None:
@@ -471,6 +540,14 @@ def sharded_dims(m: ModelConfig) -> dict[str, list[tuple[str, int]]]:
         dims["heads"].append(("model.indexer.num_heads", m.indexer.num_heads))
     if "kda" in kinds:
         dims["heads"].append(("model.kda.num_heads", m.kda.num_heads))
+    if m.vision is not None:
+        v = m.vision
+        dims["embed"].append(("model.vision.hidden_size", v.hidden_size))
+        dims["heads"].append(("model.vision.num_heads", v.num_heads))
+        dims["ffw"] += [
+            ("model.vision.intermediate_size", v.intermediate_size),
+            ("model.vision.hidden_size*merge_height*merge_width", v.hidden_size * v.merge_size),
+        ]
     return dims
 
 

@@ -32,6 +32,7 @@ from jaxmoe.nn import RMSNorm, dense, param
 from jaxmoe.nn.linear import abstract_params, normal
 from jaxmoe.sharding import constrain, state_shardings
 from jaxmoe.train.dsa_loss import indexer_kl_loss
+from jaxmoe.vision import VisionInputs, VisionTower
 
 ATTENTION_MODULES = {"mla": MLA, "dsa": DSA, "kda": KDA}
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
@@ -178,16 +179,30 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), normal(cfg.init_std), pdt)
+        if cfg.vision is not None:
+            self.vision = VisionTower(cfg.vision, cfg.d_model, cfg.init_std, pdt, rngs=rngs)
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
+    def hidden(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        images: VisionInputs | None = None,
+        remat: bool = False,
+    ) -> jax.Array:
         """Final-norm hidden states ``[B, T, D]``.
 
+        With ``images`` (a model with a vision tower) the merged image tokens replace the
+        ``image_token_id`` placeholders of ``tokens``, in order (row-major over ``[B, T]``); the
+        placeholders must number exactly the images' merged tokens (:func:`jaxmoe.vision.merged_tokens`).
         With ``remat`` each decoder layer is rematerialised (``jax.checkpoint``): its activations are
         recomputed in the backward pass instead of kept, trading compute for memory.
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed_tokens(tokens)  # [B, T, D]
+        if images is not None:
+            x = self.place_images(tokens, x, images)
         x = constrain(x, ACTIVATION_AXES)
         for node in self.layers:
             if isinstance(node, LayerStack):
@@ -197,9 +212,26 @@ class Transformer(nnx.Module):
                     x = _run(node, x, positions, remat)
         return self.final_norm(x)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
-        x = self.hidden(tokens, positions, remat=remat)
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        images: VisionInputs | None = None,
+        remat: bool = False,
+    ) -> jax.Array:
+        x = self.hidden(tokens, positions, images=images, remat=remat)
         return constrain(self.head(x), ("batch", "seq", "vocab"))
+
+    def place_images(self, tokens: jax.Array, x: jax.Array, images: VisionInputs) -> jax.Array:
+        """``x [B, T, D]`` with the image placeholders of ``tokens [B, T]`` replaced by the merged tokens."""
+        if self.cfg.vision is None:
+            raise ValueError("images given to a model without a vision tower (model.vision is not set)")
+        features = self.vision(images).astype(x.dtype)  # [M, D]
+        placeholder = tokens == self.cfg.vision.image_token_id
+        nth = jnp.cumsum(placeholder.reshape(-1)).reshape(tokens.shape) - 1  # which merged token goes where
+        picked = jnp.take(features, jnp.clip(nth, 0, features.shape[0] - 1), axis=0)
+        return jnp.where(placeholder[..., None], picked, x)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``tokens[...]`` -> embeddings ``[..., D]`` in the compute dtype."""

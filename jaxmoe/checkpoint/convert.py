@@ -174,8 +174,8 @@ class _HFTensors(SafetensorsFolder):
     reads the packed bytes with :meth:`packed` instead. ``used`` collects the stored names read.
     """
 
-    def __init__(self, folder: pathlib.Path, passthrough):
-        super().__init__(folder)
+    def __init__(self, folder: pathlib.Path, passthrough, rename=None):
+        super().__init__(folder, rename)
         self._passthrough = passthrough
         self.packed_names: dict[str, tuple[str, str]] = {}
         for key in self.stored:
@@ -322,7 +322,7 @@ def _copy_tokenizer(src: pathlib.Path, dst: pathlib.Path, hf: dict) -> list[str]
 
 
 def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> dict:
-    """HF folder (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``) -> jaxmoe checkpoint, tensor by tensor.
+    """HF folder (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``, ``kimi_k25``) -> jaxmoe checkpoint, by tensor.
 
     Args:
         src: folder with ``config.json`` and ``model.safetensors`` (or an index and shards).
@@ -333,7 +333,13 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
         A summary dict (src, dst, layers, mxfp4_weights, passed_through: MXFP4 tensors kept as
         stored, tokenizer_files: the tokenizer files written beside the params).
     """
-    from jaxmoe.checkpoint.hf_import import FFN_LAYOUT, config_from_hf, load_weights, read_hf_config  # noqa: PLC0415
+    from jaxmoe.checkpoint.hf_import import (  # noqa: PLC0415
+        FFN_LAYOUT,
+        config_from_hf,
+        load_weights,
+        read_hf_config,
+        tensor_names,
+    )
     from jaxmoe.model import abstract_model  # noqa: PLC0415
     from jaxmoe.quant import MXFP4_CONTRACTING_AXIS, ROUTED_EXPERTS  # noqa: PLC0415
 
@@ -350,7 +356,9 @@ def convert_hf(src, dst, quant: str | None = None, *, progress: bool = True) -> 
     expert_key = re.compile(
         rf"model\.layers\.\d+\.{re.escape(ffn_prefix)}experts\.\d+\.({'|'.join(expert_names)})\.weight"
     )
-    tensors = _HFTensors(src, passthrough=lambda key: bool(quant) and expert_key.fullmatch(key) is not None)
+    tensors = _HFTensors(
+        src, passthrough=lambda key: bool(quant) and expert_key.fullmatch(key) is not None, rename=tensor_names(hf)
+    )
 
     abstract = abstract_model(float_cfg.model)
     paths = {id(v): tuple(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Variable)}

@@ -1,4 +1,8 @@
-"""Import HF transformers checkpoints (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``).
+"""Import HF transformers checkpoints (``deepseek_v3``, ``deepseek_v32``, ``kimi_linear``, ``kimi_k25``).
+
+``kimi_k25`` (Kimi K2.5: a MoonViT vision tower and projector over a ``deepseek_v3`` language
+model) is read through :mod:`jaxmoe.checkpoint.hf_vision`, its stored names mapped onto the
+``deepseek_v3`` ones.
 
 Reads the folder ``save_pretrained`` writes: ``config.json`` plus ``model.safetensors`` or
 sharded ``model-*.safetensors`` with ``model.safetensors.index.json``; routed experts stored per
@@ -22,11 +26,12 @@ from jaxmoe.checkpoint.hf_attention import load_dsa, load_mla
 from jaxmoe.checkpoint.hf_common import assign, take
 from jaxmoe.checkpoint.hf_kda import load_kda
 from jaxmoe.checkpoint.hf_moe import DEEPSEEK_EXPERT_NAMES, KIMI_EXPERT_NAMES, load_mlp, load_moe
+from jaxmoe.checkpoint.hf_vision import kimi_k25_name, load_vision, vision_config
 from jaxmoe.checkpoint.safetensors_folder import SafetensorsFolder
 from jaxmoe.config import Config, ConfigError, MeshConfig, from_config_dict
 from jaxmoe.errors import CheckpointError
 
-SUPPORTED = ("deepseek_v3", "deepseek_v32", "kimi_linear")
+SUPPORTED = ("deepseek_v3", "deepseek_v32", "kimi_linear", "kimi_k25")
 
 
 def _get(hf: Mapping, key: str, default=None, required: bool = False):
@@ -75,6 +80,27 @@ def _first_k_dense(hf: Mapping, n_layers: int) -> int:
 
 def config_from_hf(hf: Mapping) -> Config:
     """Maps an HF ``config.json`` dict onto a validated jaxmoe :class:`Config`."""
+    model_type = hf.get("model_type")
+    if model_type == "kimi_k25":
+        text = dict(hf.get("text_config") or {})
+        if text.get("model_type", "deepseek_v3") not in ("deepseek_v3", "kimi_k2"):
+            raise ConfigError(
+                f"HF kimi_k25 text_config.model_type={text['model_type']!r} is not supported; allowed: 'deepseek_v3'"
+            )
+        model = _text_model(dict(text, model_type="deepseek_v3"))
+        # The multimodal model ties its LM head at the top level, whatever the text config says.
+        model["tie_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+        model["vision"] = vision_config(hf)
+        return from_config_dict(dict(model=model, mesh={}, name="hf_kimi_k25"))
+    return from_config_dict(dict(model=_text_model(hf), mesh={}, name=f"hf_{model_type}"))
+
+
+def tensor_names(hf: Mapping):
+    """How the stored tensor names of the family map onto the loaders' (None: as stored)."""
+    return kimi_k25_name if hf.get("model_type") == "kimi_k25" else None
+
+
+def _text_model(hf: Mapping) -> dict:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
         raise ConfigError(f"HF config model_type={model_type!r} is not supported; allowed: {SUPPORTED}")
@@ -144,7 +170,7 @@ def config_from_hf(hf: Mapping) -> Config:
             head_dim=int(hf["linear_head_dim"]),
             conv_kernel=int(hf["linear_conv_kernel_dim"]),
         )
-    return from_config_dict(dict(model=model, mesh={}, name=f"hf_{model_type}"))
+    return model
 
 
 # Saved FFN block name and routed-expert (gate, up, down) names per family: Kimi Linear keeps the
@@ -153,6 +179,7 @@ FFN_LAYOUT = {
     "deepseek_v3": ("mlp.", DEEPSEEK_EXPERT_NAMES),
     "deepseek_v32": ("mlp.", DEEPSEEK_EXPERT_NAMES),
     "kimi_linear": ("block_sparse_moe.", KIMI_EXPERT_NAMES),
+    "kimi_k25": ("mlp.", DEEPSEEK_EXPERT_NAMES),  # its deepseek_v3 text model, names mapped (hf_vision)
 }
 
 
@@ -178,6 +205,8 @@ def load_weights(model, tensors: Mapping[str, np.ndarray], model_type: str) -> N
     assign(model.final_norm.weight, take(tensors, "model.norm.weight"), "model.norm.weight")
     if not cfg.tie_embeddings:
         assign(model.lm_head, take(tensors, "lm_head.weight").T, "lm_head.weight")
+    if cfg.vision is not None:
+        load_vision(model.vision, tensors)
 
 
 def read_hf_config(src: pathlib.Path) -> dict:
@@ -206,7 +235,7 @@ def import_hf(src: str | pathlib.Path, mesh: MeshConfig | None = None):
     cfg = config_from_hf(hf)
     if mesh is not None:
         cfg = dataclasses.replace(cfg, mesh=mesh)
-    tensors = SafetensorsFolder(src)
+    tensors = SafetensorsFolder(src, rename=tensor_names(hf))
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     load_weights(model, tensors, hf["model_type"])
     refuse_unused(tensors, src, cfg.model.num_layers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 from safetensors import safe_open
@@ -38,16 +38,22 @@ class SafetensorsFolder(Mapping):
     """Lazy read-only view of every tensor in an HF folder, as float32 numpy arrays.
 
     Records which stored tensors were read (``used``) so that the callers can refuse a checkpoint
-    holding tensors the model does not use.
+    holding tensors the model does not use. With ``rename`` every stored name is seen (and
+    reported) under ``rename(name)``: one family's names mapped onto another's.
 
     Attributes:
         stored: ``{tensor name: shard file name}``, every tensor the folder holds.
         used: the names read so far (by ``[]`` or :meth:`raw`).
     """
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, rename: Callable[[str], str] | None = None):
         folder = pathlib.Path(folder)
-        self.stored = _weight_map(folder)
+        self.stored, self._source = {}, {}
+        for key, shard in _weight_map(folder).items():
+            name = rename(key) if rename is not None else key
+            if name in self.stored:
+                raise CheckpointError(f"tensors {self._source[name]!r} and {key!r} are the same weight ({name!r})")
+            self.stored[name], self._source[name] = shard, key
         self._files = {name: folder / name for name in set(self.stored.values())}
         for path in self._files.values():
             if not path.is_file():
@@ -60,20 +66,20 @@ class SafetensorsFolder(Mapping):
     def shape(self, key: str) -> tuple[int, ...]:
         """The stored shape of ``key``, read from the shard's header only."""
         with self._open(key, "numpy") as f:
-            return tuple(f.get_slice(key).get_shape())
+            return tuple(f.get_slice(self._source[key]).get_shape())
 
     def raw(self, key: str) -> np.ndarray:
         """The stored tensor ``key`` in its stored dtype (e.g. uint8 MXFP4 blocks)."""
         self.used.add(key)
         with self._open(key, "numpy") as f:
-            return f.get_tensor(key)
+            return f.get_tensor(self._source[key])
 
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self.stored:
             raise KeyError(key)
         self.used.add(key)
         with self._open(key, "flax") as f:  # the flax reader handles bfloat16 (numpy's does not)
-            return np.asarray(f.get_tensor(key), np.float32)
+            return np.asarray(f.get_tensor(self._source[key]), np.float32)
 
     def __contains__(self, key) -> bool:
         return key in self.stored
