@@ -56,11 +56,13 @@ class EngineConfig:
         compiling it before the step (bit-reproducible outputs). Engines without a mesh only: on a
         mesh the pools take the layout XLA gives the first write's output, which a program compiled
         ahead of time from their initial layout would refuse.
-      max_programs: most step shapes kept compiled. Meeting a new shape with this many compiled
-        drops them all (they recompile as they are met again), because XLA:CPU maps each
-        program's code into memory sections of its own and a process may hold only
-        ``vm.max_map_count`` (65,530) maps: an RL run meeting a few new shapes a step died of it
-        after ~38 steps. Outputs do not depend on it: every step still runs on its own shape.
+      max_programs: most step shapes kept compiled. Meeting a new shape with this many compiled,
+        or with the process holding over half of the ``vm.max_map_count`` memory maps Linux allows
+        it (65,530 by default), drops them all (they recompile as they are met again): XLA:CPU maps
+        each program's code into memory sections of its own, ~1,000 maps for the tiny model's step
+        on 8 devices, and an RL run meeting a few new shapes a step died of it ("LLVM ERROR: Unable
+        to allocate section memory"). Outputs do not depend on it: every step still runs on its
+        own shape.
     """
 
     cache_bytes: int = 1 << 28
@@ -100,6 +102,21 @@ class Completion:
 MIN_PAGES = 8
 PADDED_ROW_PAGES = 64
 MAX_DECODE_FLOOR = 8
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """``(maps held, vm.max_map_count)`` of this process, or None where /proc does not tell (not Linux).
+
+    XLA:CPU's code sections of a large program take ~1,000 maps (the tiny model's step on 8 devices),
+    so a program count alone does not bound them.
+    """
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _bucket(n: int, minimum: int = 1) -> int:
@@ -315,8 +332,11 @@ class Engine:
             broadcast(None)
 
     def _make_room(self) -> None:
-        """Drops every compiled step program once ``max_programs`` are held (see :class:`EngineConfig`)."""
-        if self.programs.count() < self.config.max_programs:
+        """Drops every compiled step program once ``max_programs`` are held, or once the process holds
+        more than half the memory maps it may (see :class:`EngineConfig`)."""
+        maps = memory_maps()
+        crowded = maps is not None and maps[0] > maps[1] // 2
+        if self.programs.count() < self.config.max_programs and not crowded:
             return
         _step_jit.clear_cache()
         _write_jit.clear_cache()
