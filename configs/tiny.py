@@ -101,5 +101,7 @@ def get_config(arg=None):
             eval_prompts=8,
             eval_samples=4,
             checkpoint_every=10,
+            # The cold start: the run trained on raw Python has never seen a chat turn (rl.sft).
+            sft=dict(steps=20, learning_rate=1e-3),
         )
     return c

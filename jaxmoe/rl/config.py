@@ -34,6 +34,19 @@ class ThinkingBudgets:
 
 
 @dataclasses.dataclass(frozen=True)
+class ColdStart:
+    """Supervised steps on the domains' demonstrations before GRPO (:mod:`jaxmoe.rl.sft`).
+
+    Attributes:
+      steps: updates, each on ``prompts_per_step x group_size`` demonstrations (0: none).
+      learning_rate: the constant rate of their AdamW (clipped at 1, no weight decay).
+    """
+
+    steps: int = 0
+    learning_rate: float = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """GRPO post-training (``jaxmoe rl``).
 
@@ -56,6 +69,9 @@ class RLConfig:
       eval_prompts: held-out prompts per domain; eval_samples: completions of each.
       log_every, checkpoint_every, keep_checkpoints: as in training.
       cache_bytes: the rollout engine's page and slot pools.
+      sft: the cold start: supervised steps on demonstrations of the answer format, taken before
+        the first GRPO step of a fresh run (a model pretrained on raw text never closes a thinking
+        block or ends a turn, so its groups all score alike and GRPO has nothing to compare).
     """
 
     steps: int = 40
@@ -81,6 +97,7 @@ class RLConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     cache_bytes: int = 1 << 26
+    sft: ColdStart = ColdStart()
 
     def budget(self, tier: str) -> int:
         return getattr(self.thinking, tier)
@@ -115,6 +132,14 @@ def validate_rl(rl: RLConfig, cfg: Config) -> None:
     need(rl.log_every >= 1, "log_every", f"must be >= 1, got {rl.log_every}")
     need(rl.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {rl.keep_checkpoints}")
     need(rl.cache_bytes >= 1, "cache_bytes", f"must be >= 1, got {rl.cache_bytes}")
+    need(rl.sft.steps >= 0, "sft.steps", f"must be >= 0, got {rl.sft.steps}")
+    need(rl.sft.learning_rate > 0, "sft.learning_rate", f"must be > 0, got {rl.sft.learning_rate}")
+    need(
+        rl.beta == 0 or rl.sft.steps == 0,
+        "beta",
+        "must be 0 with a cold start (rl.sft.steps > 0): the KL reference is the --init weights, not the "
+        "fine-tuned ones",
+    )
     batch = rl.prompts_per_step * rl.group_size
     spec = logical_to_spec(("batch",))[0]
     axes = (spec,) if isinstance(spec, str) else tuple(spec or ())

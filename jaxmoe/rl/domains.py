@@ -307,6 +307,7 @@ _MAX_BODY_LINES = 2
 class _Function:
     key: str  # the header text: equal headers share a split, so split prefixes never coincide
     prefixes: tuple[str, ...]  # the header plus 0, 1, 2 body lines, each a valid start
+    source: str = ""  # the whole function (what a demonstration continues a prefix with)
 
 
 def _module_source(name: str) -> str | None:
@@ -336,7 +337,7 @@ def _functions(source: str) -> list[_Function]:
             if len(prefix) <= _MAX_PREFIX_CHARS and _compiles(prefix) > 0.0:
                 prefixes.append(prefix)
         if prefixes:
-            out.append(_Function(header, tuple(prefixes)))
+            out.append(_Function(header, tuple(prefixes), "".join(lines[start:end])))
     return out
 
 

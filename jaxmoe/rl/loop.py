@@ -43,6 +43,7 @@ from jaxmoe.rl.config import RLConfig
 from jaxmoe.rl.domains import DOMAINS
 from jaxmoe.rl.grpo import group_advantages
 from jaxmoe.rl.rollout import HostBatch, group_stats, host_batch, rollout
+from jaxmoe.rl.sft import SFTBatch, sft_batch, sft_optimizer, sft_step
 from jaxmoe.rl.step import Batch, RLState, RLTrainer
 from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, stored_config
 from jaxmoe.train.loop import _check_same_model, _take, build_mesh
@@ -270,6 +271,46 @@ def _checkpoint(run: _Run, ckpt: CheckpointManager, writer: MetricsWriter) -> No
     writer.sync()
 
 
+def _cold_start(run: _Run, writer: MetricsWriter) -> None:
+    """``rl.sft.steps`` supervised updates on demonstrations, then the held-out reward after them.
+
+    Cold-start step ``k`` takes the prompts GRPO would take at steps ``rl.steps + k * G`` to
+    ``rl.steps + (k + 1) * G - 1`` (G the group size: as many rows as a GRPO batch), training prompts
+    only. Every process builds the same host batch (a pure function of the
+    config), so nothing is broadcast.
+    """
+    rl, rt = run.rl, run.rt
+    tx = sft_optimizer(rl.sft.learning_rate)
+    params_sh, bias_sh = rt.state_shardings.params, rt.state_shardings.router_bias
+    opt_sh = rt.trainer._opt_shardings(tx, rt.trainer.abstract_state().params, params_sh)
+    rows = rt.batch_shardings.inputs
+    replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
+    step = jax.jit(
+        sft_step,
+        static_argnums=(0, 1),
+        in_shardings=(params_sh, bias_sh, opt_sh, SFTBatch(rows, rows, rows)),
+        out_shardings=(params_sh, opt_sh, replicated),
+    )
+    params, opt = run.state.params, jax.jit(tx.init, out_shardings=opt_sh)(run.state.params)
+    budgets = {t: rl.budget(t) for t in ("low", "high", "max")}
+    losses = []
+    for k in tqdm(range(rl.sft.steps), desc="cold start", disable=jax.process_index() != 0, file=sys.stderr):
+        walk = range(rl.steps + k * rl.group_size, rl.steps + (k + 1) * rl.group_size)
+        prompts = [p for j in walk for p in step_prompts(rl, run.pools, j)]  # prompts_per_step x group_size
+        host = sft_batch(prompts, run.tokenizer, budgets, rl.max_tokens)
+        batch = SFTBatch(*(rt.put(a, rows) for a in host))
+        params, opt, loss = step(rt.trainer.graphdef, rl.sft.learning_rate, params, run.state.router_bias, opt, batch)
+        losses.append(float(np.asarray(loss.addressable_data(0))))
+    run.state = RLState(params, run.state.router_bias, run.state.opt_state)
+    run.engine.state = engine_state(rt.trainer.graphdef, params, run.state.router_bias)
+    record = {"step": 0, "sft_steps": rl.sft.steps, "sft_loss_first": losses[0], "sft_loss_last": losses[-1]}
+    held = evaluate(run)
+    if held is not None:
+        record["heldout_reward_sft"] = held
+        run.summary["heldout_reward_sft"] = held
+    writer.write(record)
+
+
 def _due(step: int, every: int, last: int) -> bool:
     return bool(every and step % every == 0) or step == last
 
@@ -281,6 +322,8 @@ def _loop(run: _Run, ckpt, writer, bar, stop_after: int | None) -> None:
         if initial is not None:
             writer.write({"step": 0, "heldout_reward": initial})
             run.summary["heldout_reward_initial"] = initial
+        if rl.sft.steps:
+            _cold_start(run, writer)
     while run.step < rl.steps:
         record = _advance(run)
         bar.update(1)
@@ -340,7 +383,8 @@ def train_rl(
       progress, stdout: the progress bar and the metrics lines (process 0).
 
     Returns:
-      ``{"step", "reward_mean", "loss", "heldout_reward_initial", "heldout_reward", "checkpoint"}``.
+      ``{"step", "reward_mean", "loss", "heldout_reward_initial", "heldout_reward", "checkpoint"}``, and
+      ``"heldout_reward_sft"`` after a cold start (``rl.sft``).
     """
     workdir = resolve(workdir)
     is_main = jax.process_index() == 0

@@ -33,6 +33,7 @@ SMALL = [
     ("rl.eval_samples", "2"),
     ("rl.eval_every", "0"),
     ("rl.checkpoint_every", "1"),
+    ("rl.sft.steps", "2"),
 ]
 TIMING = ("rollout_s", "train_s", "rollout_share", "rollout_tokens_per_s", "train_tokens_per_s")
 
@@ -93,6 +94,9 @@ def test_rl_run_resumes_bit_for_bit(run, whole, tmp_path):
     summary, workdir = whole
     assert summary["step"] == 2 and set(summary["heldout_reward"]) == {"code", "tool_args", "budget"}
     records = _records(workdir)
+    cold = [r for r in records if "sft_steps" in r]
+    assert len(cold) == 1 and cold[0]["sft_steps"] == 2 and cold[0]["sft_loss_last"] < cold[0]["sft_loss_first"]
+    assert set(summary["heldout_reward_sft"]) == {"code", "tool_args", "budget"}
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
@@ -127,11 +131,19 @@ def test_two_processes_equal_one(run, whole, tmp_path):
     assert [line for line in outs[1][0].splitlines() if line.startswith("{")] == []
     assert json.loads(outs[0][0].splitlines()[-1])["step"] == 2
     two, one = _records(workdir), _records(whole[1])
-    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 0, 1, 2]  # the cold start's record at 0
     # Both processes saved (Orbax, multi-process) every step's checkpoint.
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
     # The rollouts (sampled on process 0 of either run) are the same tokens: their stats are equal.
-    host = {"step", "learning_rate", "rollout_tokens", "train_tokens", "heldout_reward"}
+    host = {
+        "step",
+        "learning_rate",
+        "rollout_tokens",
+        "train_tokens",
+        "heldout_reward",
+        "heldout_reward_sft",
+        "sft_steps",
+    }
     for a, b in zip(_strip(two), _strip(one), strict=True):
         assert set(a) == set(b)
         for key, value in b.items():
