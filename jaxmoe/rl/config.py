@@ -102,6 +102,11 @@ class RLConfig:
     def budget(self, tier: str) -> int:
         return getattr(self.thinking, tier)
 
+    @property
+    def budgets(self) -> dict[str, int]:
+        """``{tier: thinking budget}``."""
+        return {t: self.budget(t) for t in TIERS}
+
 
 def validate_rl(rl: RLConfig, cfg: Config) -> None:
     """Raises ConfigError naming the ``rl.`` field and what is allowed."""

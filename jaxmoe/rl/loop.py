@@ -136,7 +136,7 @@ def _rollouts(engine: Engine, tokenizer, rl: RLConfig, prompts, samples: int, se
             prompts,
             samples=samples,
             seeds=seeds,
-            budgets={t: rl.budget(t) for t in ("low", "high", "max")},
+            budgets=rl.budgets,
             max_tokens=rl.max_tokens,
             temperature=rl.temperature,
             top_p=rl.top_p,
@@ -292,12 +292,11 @@ def _cold_start(run: _Run, writer: MetricsWriter) -> None:
         out_shardings=(params_sh, opt_sh, replicated),
     )
     params, opt = run.state.params, jax.jit(tx.init, out_shardings=opt_sh)(run.state.params)
-    budgets = {t: rl.budget(t) for t in ("low", "high", "max")}
     losses = []
     for k in tqdm(range(rl.sft.steps), desc="cold start", disable=jax.process_index() != 0, file=sys.stderr):
         walk = range(rl.steps + k * rl.group_size, rl.steps + (k + 1) * rl.group_size)
         prompts = [p for j in walk for p in step_prompts(rl, run.pools, j)]  # prompts_per_step x group_size
-        host = sft_batch(prompts, run.tokenizer, budgets, rl.max_tokens)
+        host = sft_batch(prompts, run.tokenizer, rl.budgets, rl.max_tokens)
         batch = SFTBatch(*(rt.put(a, rows) for a in host))
         params, opt, loss = step(rt.trainer.graphdef, rl.sft.learning_rate, params, run.state.router_bias, opt, batch)
         losses.append(float(np.asarray(loss.addressable_data(0))))

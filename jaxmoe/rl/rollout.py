@@ -62,6 +62,30 @@ class Rollout:
     reward: float
 
 
+def render_prompt(prompt: Prompt, tokenizer, budget: int, ids: MarkupIds) -> tuple[list[int], bool]:
+    """``(prompt ids, thinking)``: the prompt as served (thinking open when ``budget > 0``), and
+    whether the completion starts inside a thinking block."""
+    prompt_ids = render(list(prompt.messages), tokenizer, thinking=budget > 0)
+    return prompt_ids, budget > 0 and ids.think_open is not None and prompt_ids[-1] == ids.think_open
+
+
+def pack(turns: Sequence[tuple[list[int], list[int]]], multiple: int = POSITION_MULTIPLE):
+    """``(prompt ids, completion ids)`` pairs as ``tokens [B, T + 1]`` and ``mask [B, T]``.
+
+    T is the longest prompt + completion less one, rounded up to ``multiple``; ``mask`` is 1 at the
+    positions whose next token (``tokens[:, 1:]``) is a completion token.
+    """
+    longest = max(len(a) + len(b) for a, b in turns) - 1
+    T = -(-longest // multiple) * multiple
+    tokens = np.zeros((len(turns), T + 1), np.int32)
+    mask = np.zeros((len(turns), T), np.float32)
+    for b, (prompt_ids, output_ids) in enumerate(turns):
+        seq = [*prompt_ids, *output_ids]
+        tokens[b, : len(seq)] = seq
+        mask[b, len(prompt_ids) - 1 : len(seq) - 1] = 1.0
+    return tokens, mask
+
+
 def rollout(
     engine: Engine,
     tokenizer,
@@ -88,9 +112,7 @@ def rollout(
     jobs = []
     for p in prompts:
         budget = budgets[p.tier]
-        thinking = budget > 0
-        prompt_ids = render(list(p.messages), tokenizer, thinking=thinking)
-        thinking = thinking and ids.think_open is not None and prompt_ids[-1] == ids.think_open
+        prompt_ids, thinking = render_prompt(p, tokenizer, budget, ids)
         for _ in range(samples):
             decoding = ChatDecoding(
                 tokenizer,
@@ -151,20 +173,13 @@ class HostBatch:
 
 def host_batch(rollouts: Sequence[Rollout], vocab_size: int, multiple: int = POSITION_MULTIPLE) -> HostBatch:
     """Packs rollouts into ``[B, T]`` arrays, T the longest prompt + completion less one, rounded up."""
-    longest = max(len(r.prompt_ids) + len(r.output_ids) for r in rollouts) - 1
-    T = -(-longest // multiple) * multiple
-    B = len(rollouts)
-    tokens = np.zeros((B, T + 1), np.int32)
+    tokens, mask = pack([(r.prompt_ids, r.output_ids) for r in rollouts], multiple)
+    B, T = mask.shape
     allowed = np.ones((B, T, vocab_size), bool)
-    mask = np.zeros((B, T), np.float32)
     engine_logp = np.zeros((B, T), np.float32)
     for b, r in enumerate(rollouts):
-        seq = r.prompt_ids + r.output_ids
-        tokens[b, : len(seq)] = seq
         first = len(r.prompt_ids) - 1  # the position whose target is the first output token
-        n = len(r.output_ids)
-        mask[b, first : first + n] = 1.0
-        engine_logp[b, first : first + n] = r.logprobs
+        engine_logp[b, first : first + len(r.output_ids)] = r.logprobs
         for j, packed in enumerate(r.masks):
             if packed is not None:
                 allowed[b, first + j] = np.unpackbits(packed, count=vocab_size).astype(bool)

@@ -23,11 +23,10 @@ import optax
 from flax import nnx
 
 from jaxmoe.chat.decoding import MarkupIds
-from jaxmoe.chat.template import render
 from jaxmoe.config import OptimConfig
 from jaxmoe.rl.demos import demonstration
 from jaxmoe.rl.domains import Prompt
-from jaxmoe.rl.rollout import POSITION_MULTIPLE
+from jaxmoe.rl.rollout import pack, render_prompt
 from jaxmoe.train.optim import model_optimizer
 from jaxmoe.train.step import set_dense_dsa
 
@@ -40,10 +39,8 @@ class SFTBatch(NamedTuple):
 
 def demonstration_ids(prompt: Prompt, tokenizer, budget: int, ids: MarkupIds) -> tuple[list[int], list[int]]:
     """``(prompt ids, demonstration ids)`` of one prompt under its tier's thinking ``budget``."""
-    prompt_ids = render(list(prompt.messages), tokenizer, thinking=budget > 0)
-    turn = []
-    if budget > 0 and ids.think_open is not None and prompt_ids[-1] == ids.think_open:
-        turn.append(ids.think_close)
+    prompt_ids, thinking = render_prompt(prompt, tokenizer, budget, ids)
+    turn = [ids.think_close] if thinking else []
     turn += tokenizer.encode(demonstration(prompt))
     turn.append(ids.end if ids.end is not None else ids.eos)
     return prompt_ids, turn
@@ -59,14 +56,7 @@ def sft_batch(prompts: Sequence[Prompt], tokenizer, budgets: dict[str, int], max
     for p in prompts:
         prompt_ids, turn = demonstration_ids(p, tokenizer, budgets[p.tier], ids)
         pairs.append((prompt_ids, turn[:max_tokens]))
-    longest = max(len(a) + len(b) for a, b in pairs) - 1
-    T = -(-longest // POSITION_MULTIPLE) * POSITION_MULTIPLE
-    tokens = np.zeros((len(pairs), T + 1), np.int32)
-    mask = np.zeros((len(pairs), T), np.float32)
-    for b, (prompt_ids, turn) in enumerate(pairs):
-        seq = prompt_ids + turn
-        tokens[b, : len(seq)] = seq
-        mask[b, len(prompt_ids) - 1 : len(seq) - 1] = 1.0  # position t predicts token t + 1
+    tokens, mask = pack(pairs)
     return SFTBatch(tokens[:, :-1], tokens[:, 1:], mask)
 
 
