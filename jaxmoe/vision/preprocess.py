@@ -30,7 +30,6 @@ from PIL import Image
 from jaxmoe.config import VisionConfig
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF", "image/bmp": "BMP"}
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
 
