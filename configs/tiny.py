@@ -3,19 +3,22 @@
     jaxmoe info --config configs/tiny.py
     jaxmoe train --config configs/tiny.py:train --workdir /tmp/tiny [--config.steps=300]
     jaxmoe rl --config configs/tiny.py:rl --workdir /tmp/tiny_rl --init /tmp/tiny
+    jaxmoe train --config configs/tiny.py:vl --workdir /tmp/tiny_vl
 
 Mesh: data 2 x fsdp 2 x tensor 2 over XLA's 8 fake CPU devices; with the argument ``train``
 (``configs/tiny.py:train``) the local training mesh data 2 x expert 2 x context 2, experts
 dispatched dropless across the expert axis. ``configs/tiny.py:rl`` is that model and mesh with the
 ``rl`` section of GRPO post-training (``jaxmoe rl``, :class:`jaxmoe.rl.config.RLConfig`).
+``configs/tiny.py:vl`` adds a vision tower and the ``vl`` section of the image-text job
+(``jaxmoe train`` captions scikit-learn's digits, :mod:`jaxmoe.vision.train`).
 """
 
 import ml_collections
 
 
 def get_config(arg=None):
-    if arg not in (None, "", "train", "rl"):
-        raise ValueError(f"configs/tiny.py takes no argument, 'train' or 'rl', got {arg!r}")
+    if arg not in (None, "", "train", "rl", "vl"):
+        raise ValueError(f"configs/tiny.py takes no argument, 'train', 'rl' or 'vl', got {arg!r}")
     c = ml_collections.ConfigDict()
     c.name = "tiny"
     c.model = dict(
@@ -104,4 +107,25 @@ def get_config(arg=None):
             # The cold start: the run trained on raw Python has never seen a chat turn (rl.sft).
             sft=dict(steps=20, learning_rate=1e-3),
         )
+    if arg == "vl":
+        # Image-text (jaxmoe.vision.train): the model with a MoonViT tower captions scikit-learn's
+        # 8 x 8 digits (2 x 2 patches, 2 x 2 merged: 4 image tokens each); trained from scratch.
+        c.model.vision = dict(
+            patch_size=2,
+            pos_emb_height=4,
+            pos_emb_width=4,
+            num_heads=2,
+            num_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            image_token_id=11,  # <|image|> in the job's tokenizer
+        )
+        c.mesh = dict(data=4, fsdp=1, expert=2, context=1, tensor=1)
+        c.model.moe.dispatch = "dropless"
+        c.steps = 300
+        c.batch_size = 64
+        c.eval_every = 100
+        c.checkpoint_every = 100
+        c.dsa.warmup_steps = 0
+        c.vl = dict(dataset="digits", heldout_fraction=0.25, split_seed=0, prompt="What digit is this?")
     return c

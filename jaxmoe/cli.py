@@ -144,14 +144,25 @@ def _init_distributed(args, parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(args) -> int:
-    from jaxmoe.config import from_config_dict, load_config_dict  # noqa: PLC0415
+    from jaxmoe.config import _to_plain, from_config_dict, load_config_dict  # noqa: PLC0415
     from jaxmoe.train.overrides import apply_overrides  # noqa: PLC0415
 
-    cfg = from_config_dict(apply_overrides(load_config_dict(args.config), args.overrides))
+    d = _to_plain(load_config_dict(args.config))
+    if "vl" in d:  # the image-text job
+        from jaxmoe.vision.train import load_vl_config  # noqa: PLC0415
+
+        cfg, vl = load_vl_config(args.config, args.overrides)
+    else:
+        cfg, vl = from_config_dict(apply_overrides(d, args.overrides)), None
     _init_distributed(args, args.parser)
     from jaxmoe.train.loop import summary_line, train  # noqa: PLC0415
 
-    summary = train(cfg, args.workdir, progress=not args.no_progress)
+    if vl is not None:
+        from jaxmoe.vision.train import train_vl  # noqa: PLC0415
+
+        summary = train_vl(cfg, vl, args.workdir, progress=not args.no_progress)
+    else:
+        summary = train(cfg, args.workdir, progress=not args.no_progress)
     import jax  # noqa: PLC0415
 
     if jax.process_index() == 0:

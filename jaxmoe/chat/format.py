@@ -39,6 +39,10 @@ class Markup:
 NATIVE = Markup()
 # The order fixes the ids a locally trained tokenizer gives them (0 .. 10).
 NATIVE_SPECIAL_TOKENS = (EOS_TOKEN, *NATIVE.tokens)
+# An image's placeholder (one per merged patch): the native tokens and this one (id 11) are the
+# special tokens of a model with a vision tower trained here (its vision.image_token_id).
+IMAGE_TOKEN = "<|image|>"
+VISION_SPECIAL_TOKENS = (*NATIVE_SPECIAL_TOKENS, IMAGE_TOKEN)
 
 
 # Imported families mark thinking and tool calls with tokens of their own; those whose calls read

@@ -23,7 +23,9 @@ Messages are the internal form the API layers build (OpenAI-like)::
      "tool_calls": [{"id": str, "name": str, "arguments": str (JSON text)}]}
     {"role": "tool", "tool_call_id": str, "content": str}
 
-``content`` may also be a list of ``{"type": "text", "text": str}`` parts (joined with newlines).
+``content`` may also be a list of ``{"type": "text", "text": str}`` parts (joined with newlines);
+a user's list may hold ``{"type": "image", "tokens": n}`` parts too: an image already preprocessed,
+rendered as ``n`` placeholders (``<|image|>``, the model's ``vision.image_token_id``) where it stands.
 Earlier turns' reasoning and every tool result are rendered back in full, in order.
 """
 
@@ -42,7 +44,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
-from jaxmoe.chat.format import EOS_TOKEN, NATIVE, Markup
+from jaxmoe.chat.format import EOS_TOKEN, IMAGE_TOKEN, NATIVE, Markup
 from jaxmoe.chat.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -101,6 +103,39 @@ def render_text(
 # Validation: one normalised dict per message, errors naming the field and what is allowed.
 
 
+def _image_part(part: dict, field: str) -> int:
+    """The placeholder count of an ``{"type": "image", "tokens": n}`` part."""
+    n = part.get("tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{field}.tokens is {n!r}; allowed: a positive int (the image's merged tokens)")
+    return n
+
+
+def _user_parts(value: Any, field: str) -> list[str | int] | None:
+    """A user content list with image parts as ``[text | placeholder count, ...]`` in order
+    (consecutive texts joined with newlines); None when it holds no image."""
+    if not isinstance(value, list) or not any(isinstance(p, dict) and p.get("type") == "image" for p in value):
+        return None
+    out: list[str | int] = []
+    for j, part in enumerate(value):
+        if isinstance(part, dict) and part.get("type") == "image":
+            out.append(_image_part(part, f"{field}[{j}]"))
+        elif out and isinstance(out[-1], str):
+            out[-1] += "\n" + _text_part(part, f"{field}[{j}]")
+        else:
+            out.append(_text_part(part, f"{field}[{j}]"))
+    return out
+
+
+def _text_part(part: Any, field: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ValueError(f"{field} is {kind!r}; allowed: a {{'type': 'text', 'text': str}} part")
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f"{field}.text must be a str, got {type(part.get('text')).__name__}")
+    return part["text"]
+
+
 def _text(value: Any, field: str, *, optional: bool = False) -> str:
     """A content value as one string: a str, or a list of text parts joined with newlines."""
     if value is None and optional:
@@ -108,15 +143,7 @@ def _text(value: Any, field: str, *, optional: bool = False) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{field}[{j}] is {kind!r}; allowed: a {{'type': 'text', 'text': str}} part")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"{field}[{j}].text must be a str, got {type(part.get('text')).__name__}")
-            texts.append(part["text"])
-        return "\n".join(texts)
+        return "\n".join(_text_part(part, f"{field}[{j}]") for j, part in enumerate(value))
     allowed = "a str, None or a list of text parts" if optional else "a str or a list of text parts"
     raise ValueError(f"{field} is {type(value).__name__}; allowed: {allowed}")
 
@@ -142,10 +169,13 @@ def _checked(i: int, message: Any) -> dict:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"messages[{i}].role is {role!r}; allowed: {', '.join(ROLES)}")
-    out = {
-        "role": role,
-        "content": _text(message.get("content"), f"messages[{i}].content", optional=role == "assistant"),
-    }
+    content = message.get("content")
+    parts = _user_parts(content, f"messages[{i}].content") if role == "user" else None
+    if parts is not None:
+        text = "\n".join(p for p in parts if isinstance(p, str))
+        out = {"role": role, "content": text, "parts": parts}
+    else:
+        out = {"role": role, "content": _text(content, f"messages[{i}].content", optional=role == "assistant")}
     calls = message.get("tool_calls")
     if role == "assistant":
         reasoning = message.get("reasoning")
@@ -208,7 +238,7 @@ def _render_native(messages: list[dict], tokenizer: Tokenizer, *, tools, thinkin
         ids += [sid[markup.system], *tokenizer.encode(system), sid[markup.end]]
     for m in messages:
         if m["role"] == "user":
-            ids += [sid[markup.user], *tokenizer.encode(m["content"]), sid[markup.end]]
+            ids += [sid[markup.user], *_user_ids(m, tokenizer), sid[markup.end]]
         elif m["role"] == "tool":
             text = f"{m['tool_call_id']}\n{m['content']}"
             ids += [sid[markup.tool], *tokenizer.encode(text), sid[markup.end]]
@@ -222,6 +252,19 @@ def _render_native(messages: list[dict], tokenizer: Tokenizer, *, tools, thinkin
     ids += [sid[markup.assistant], sid[markup.think_open]]
     if not thinking:
         ids.append(sid[markup.think_close])
+    return ids
+
+
+def _user_ids(message: dict, tokenizer: Tokenizer) -> list[int]:
+    """A user turn's ids: its text, and each image as its placeholders (``IMAGE_TOKEN`` x tokens)."""
+    if "parts" not in message:
+        return tokenizer.encode(message["content"])
+    image = tokenizer.token_id(IMAGE_TOKEN)
+    if image is None:
+        raise ValueError(f"the conversation holds images, but this model's tokenizer has no {IMAGE_TOKEN!r} token")
+    ids = []
+    for part in message["parts"]:
+        ids += [image] * part if isinstance(part, int) else tokenizer.encode(part)
     return ids
 
 

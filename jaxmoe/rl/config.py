@@ -11,7 +11,6 @@ training part, as for ``jaxmoe train``.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from typing import Any
 
 from jaxmoe.config import Config, ConfigError, OptimConfig, _build, _to_plain, from_config_dict, load_config_dict
 from jaxmoe.sharding import logical_to_spec
-from jaxmoe.train.overrides import OverrideError, apply_overrides, parse_value
+from jaxmoe.train.overrides import apply_overrides, section_overrides
 
 TIERS = ("low", "high", "max")
 
@@ -162,30 +161,6 @@ def validate_rl(rl: RLConfig, cfg: Config) -> None:
         )
 
 
-def _rl_overrides(rl: dict, overrides: Sequence[tuple[str, str]]) -> dict:
-    """``rl`` with each ``--config.rl.KEY=VALUE`` set (typed by :class:`RLConfig`'s defaults)."""
-    out = copy.deepcopy(rl)
-    for key, text in overrides:
-        parts = key.split(".")[1:]
-        node, default = out, RLConfig()
-        for depth, name in enumerate(parts):
-            fields = {f.name for f in dataclasses.fields(default)}
-            if name not in fields:
-                raise OverrideError(f"--config.{key}: unknown key {name!r}; allowed keys: {sorted(fields)}")
-            default = getattr(default, name)
-            if depth < len(parts) - 1:
-                if not dataclasses.is_dataclass(default):
-                    raise OverrideError(f"--config.{key}: {name} is a value, not a section")
-                node = node.setdefault(name, {})
-            elif dataclasses.is_dataclass(default):
-                raise OverrideError(f"--config.{key}: {name} is a section; set one of its keys")
-            elif isinstance(default, tuple):
-                node[name] = tuple(v.strip() for v in text.split(",") if v.strip())
-            else:
-                node[name] = parse_value(key, text, default)
-    return out
-
-
 def load_rl_config(path: str, overrides: Sequence[tuple[str, str]] = ()) -> tuple[Config, RLConfig]:
     """The training config and the RL section of the config file ``path`` (``FILE`` or ``FILE:ARG``)."""
     d: dict[str, Any] = _to_plain(load_config_dict(path))
@@ -197,7 +172,7 @@ def load_rl_config(path: str, overrides: Sequence[tuple[str, str]] = ()) -> tupl
     rl_overrides = [o for o in overrides if o[0] == "rl" or o[0].startswith("rl.")]
     rest = [o for o in overrides if o not in rl_overrides]
     cfg = from_config_dict(apply_overrides(d, rest))
-    values = _rl_overrides(rl, rl_overrides)
+    values = section_overrides(rl, rl_overrides, RLConfig())
     if isinstance(values.get("optim"), dict):  # a partial section keeps RLConfig's optimizer defaults
         values["optim"] = {**dataclasses.asdict(RLConfig().optim), **values["optim"]}
     if isinstance(values.get("domains"), str):

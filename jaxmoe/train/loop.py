@@ -98,7 +98,7 @@ def _take(tree: dict, like: dict) -> dict:
     return {k: _take(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
 
 
-def _checkpoint_items(state: TrainState) -> tuple[dict, dict]:
+def checkpoint_items(state: TrainState) -> tuple[dict, dict]:
     opt = {"model": state.opt_state}
     if state.indexer_opt_state is not None:
         opt["indexer"] = state.indexer_opt_state
@@ -122,7 +122,7 @@ def _check_same_model(cfg: Config, stored: Config, where: pathlib.Path) -> None:
     )
 
 
-def _restore(ckpt: CheckpointManager, trainer: Trainer, cfg: Config, log) -> tuple[int, TrainState, Any] | None:
+def restore_latest(ckpt: CheckpointManager, trainer: Trainer, cfg: Config, log) -> tuple[int, TrainState, Any] | None:
     """The newest intact step as ``(step, state, data_state)``; damaged steps are skipped (and said so).
 
     Raises:
@@ -133,7 +133,7 @@ def _restore(ckpt: CheckpointManager, trainer: Trainer, cfg: Config, log) -> tup
     if not steps:
         return None
     target = trainer.abstract_state()
-    params_target, opt_target = _checkpoint_items(target)
+    params_target, opt_target = checkpoint_items(target)
     for step in reversed(steps):
         try:
             # The config first: a checkpoint of another model is an error, not damage to skip.
@@ -160,7 +160,7 @@ def _fetch(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def _export(state: TrainState, cfg: Config, workdir: Path, log) -> str:
+def export_final(state: TrainState, cfg: Config, workdir: Path, log) -> str:
     """The MXFP4 export of the final params (once): from host copies in a single process; in a
     multi-process run each process quantizes and writes its own shards."""
     dst = workdir / EXPORT_DIR
@@ -214,14 +214,14 @@ class _Run:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _due(step: int, every: int, last: int) -> bool:
+def due(step: int, every: int, last: int) -> bool:
     """Whether ``step`` is a multiple of ``every`` (0: never) or the ``last`` step."""
     return bool(every and step % every == 0) or step == last
 
 
 def _initial_state(cfg: Config, trainer: Trainer, ckpt: CheckpointManager, batches: PackedBatches, log):
     """``(step, state)`` of the newest intact checkpoint (``batches`` restored to it), else of a fresh start."""
-    restored = _restore(ckpt, trainer, cfg, log)
+    restored = restore_latest(ckpt, trainer, cfg, log)
     if restored is None:
         return 0, trainer.init_state(cfg.train.seed)
     step, state, data_state = restored
@@ -283,7 +283,7 @@ def _write(run: _Run, record: dict) -> None:
 
 def _checkpoint(run: _Run) -> None:
     """Saves the state and the data iterator at this step; the metrics written so far go with it."""
-    params, opt = _checkpoint_items(run.state)
+    params, opt = checkpoint_items(run.state)
     data_state = {"batches": run.batches.state(), "step": run.step}
     run.ckpt.save(run.step, params=params, opt_state=opt, data_state=data_state, config=run.cfg, force=True)
     run.summary["checkpoint"] = str(run.ckpt.step_dir(run.step))
@@ -297,16 +297,16 @@ def _loop(run: _Run, bar: tqdm, stop_after: int | None) -> None:
     while run.step < t.steps:
         stage, lr, metrics, record = _advance(run, clock)
         bar.update(1)
-        if _due(run.step, t.log_every, t.steps) or run.step == stop_after:
+        if due(run.step, t.log_every, t.steps) or run.step == stop_after:
             metrics = _fetch(metrics)  # waits for the step: the clock reads after it
             record = {**_step_record(run, stage, lr, metrics, clock.seconds_per_step(run.step)), **record}
             bar.set_postfix(loss=f"{record['loss']:.3f}")
         start = time.perf_counter()  # evaluation and checkpoints are not training time
-        if _due(run.step, t.eval_every, t.steps):
+        if due(run.step, t.eval_every, t.steps):
             record["heldout_loss"] = _evaluate(run)
         if record:
             _write(run, record)
-        if _due(run.step, t.checkpoint_every, t.steps):
+        if due(run.step, t.checkpoint_every, t.steps):
             _checkpoint(run)
         clock.exclude(time.perf_counter() - start)
         if stop_after is not None and run.step >= stop_after:
@@ -368,7 +368,7 @@ def train(
             ckpt.wait_until_finished()
             run.summary["step"] = run.step
             if run.step == t.steps and t.export_mxfp4 and stop_after is None:
-                run.summary["export"] = _export(run.state, cfg, workdir, log)
+                run.summary["export"] = export_final(run.state, cfg, workdir, log)
         finally:
             bar.close()
             ckpt.close()

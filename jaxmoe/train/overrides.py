@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxmoe.config import SECTIONS, Config, ConfigError, TrainConfig
+from jaxmoe.config import OPTIONAL_SECTIONS, SECTIONS, Config, ConfigError, ModelConfig, TrainConfig
 
 PREFIX = "--config."
 
@@ -60,7 +60,10 @@ def _root_schema() -> dict[str, Any]:
 
 
 def _schema_of(node: Any) -> dict[str, Any]:
-    return {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    schema = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    if isinstance(node, ModelConfig):  # a section a model may lack (None) is still a section of keys
+        schema.update({name: cls() for name, cls in OPTIONAL_SECTIONS.items() if schema[name] is None})
+    return schema
 
 
 def _parse_bool(key: str, text: str) -> bool:
@@ -143,6 +146,31 @@ def apply_overrides(cd: Any, overrides: Sequence[tuple[str, str]]) -> dict:
                 schema, node = _schema_of(default), child
             elif not last:
                 raise OverrideError(f"--config.{key}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+            else:
+                node[name] = parse_value(key, text, default)
+    return out
+
+
+def section_overrides(values: dict, overrides: Sequence[tuple[str, str]], defaults: Any) -> dict:
+    """A job section's ``values`` (``rl``, ``vl``) with each ``--config.SECTION.KEY=VALUE`` set,
+    typed by the section dataclass instance ``defaults``."""
+    out = copy.deepcopy(values)
+    for key, text in overrides:
+        parts = key.split(".")[1:]
+        node, default = out, defaults
+        for depth, name in enumerate(parts):
+            fields = {f.name for f in dataclasses.fields(default)}
+            if name not in fields:
+                raise OverrideError(f"--config.{key}: unknown key {name!r}; allowed keys: {sorted(fields)}")
+            default = getattr(default, name)
+            if depth < len(parts) - 1:
+                if not dataclasses.is_dataclass(default):
+                    raise OverrideError(f"--config.{key}: {name} is a value, not a section")
+                node = node.setdefault(name, {})
+            elif dataclasses.is_dataclass(default):
+                raise OverrideError(f"--config.{key}: {name} is a section; set one of its keys")
+            elif isinstance(default, tuple):
+                node[name] = tuple(v.strip() for v in text.split(",") if v.strip())
             else:
                 node[name] = parse_value(key, text, default)
     return out

@@ -39,6 +39,7 @@ from jaxmoe.model import abstract_model, create_model, layer_plan
 from jaxmoe.moe.router import RouterBias
 from jaxmoe.sharding import logical_to_spec, state_shardings
 from jaxmoe.train.optim import indexer_warmup_optimizer, learning_rate, model_optimizer
+from jaxmoe.vision.layout import VisionInputs
 
 STAGES = ("warmup", "main")
 
@@ -100,6 +101,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets))
 
 
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """The cross-entropy's mean over the positions where ``mask[B, T]`` is 1 (0 when none is)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = mask.astype(jnp.float32)
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
 def update_router_bias(router_bias: dict, loads: dict[int, jax.Array], rate: float, plan=None) -> dict:
     """``bias_e += rate * sign(mean load - load_e)`` for every MoE layer (loads ``[E]`` per layer).
 
@@ -139,12 +147,19 @@ def forward(
     cfg: Config,
     stage: str,
     remat: bool = False,
+    mask: jax.Array | None = None,
+    images: VisionInputs | None = None,
 ) -> Forward:
-    """The model on ``inputs[B, T]`` and every loss term and routing statistic of the step."""
+    """The model on ``inputs[B, T]`` and every loss term and routing statistic of the step.
+
+    ``mask [B, T]``: the LM loss is over the positions where it is 1 only (all positions without);
+    ``images``: the image inputs of the placeholders in ``inputs`` (a model with a vision tower).
+    """
     model = nnx.merge(graphdef, params, router_bias)
     set_dense_dsa(model, stage == "warmup")
-    logits, inter = nnx.capture(lambda m, x: m(x, remat=remat), nnx.Intermediate)(model, inputs)
-    lm_loss = cross_entropy(logits, targets)
+    call = lambda m, x: m(x, images=images, remat=remat)
+    logits, inter = nnx.capture(call, nnx.Intermediate)(model, inputs)
+    lm_loss = cross_entropy(logits, targets) if mask is None else masked_cross_entropy(logits, targets, mask)
     inter = nnx.to_pure_dict(inter)
     if model.scan:  # sown stacked over each stack's repetitions: per layer again
         inter = unstack_layers(inter, layer_plan(cfg.model))
@@ -211,13 +226,19 @@ def _metrics(out: Forward, total: jax.Array, grad_norm: jax.Array) -> dict:
     }
 
 
-def train_step(graphdef, cfg: Config, stage: str, state: TrainState, inputs, targets) -> tuple[TrainState, dict]:
-    """One update of ``stage`` on ``inputs, targets [B, T]``: ``(new state, metrics)``."""
+def train_step(
+    graphdef, cfg: Config, stage: str, state: TrainState, inputs, targets, mask=None, images=None
+) -> tuple[TrainState, dict]:
+    """One update of ``stage`` on ``inputs, targets [B, T]``: ``(new state, metrics)``.
+
+    ``mask`` and ``images`` as in :func:`forward` (an image-text batch, the loss on its answers).
+    """
     t = cfg.train
     tx, indexer_tx = optimizers(cfg)
     run = lambda params: forward(
-        graphdef, params, state.router_bias, inputs, targets, cfg=cfg, stage=stage, remat=t.remat
-    )
+        graphdef, params, state.router_bias, inputs, targets, cfg=cfg, stage=stage, remat=t.remat, mask=mask,
+        images=images,
+    )  # fmt: skip
     if stage == "warmup":
         indexer_params = select(state.params, _is_indexer)
 
@@ -352,6 +373,20 @@ class Trainer:
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=3,
         )
+
+    def image_step_fn(self, stage: str) -> Callable[..., tuple[TrainState, dict]]:
+        """The jitted ``(state, inputs, targets, mask, images) -> (state, metrics)`` of an image-text
+        batch (:func:`train_step` with a loss mask and :class:`VisionInputs`; the state is donated)."""
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        step = jax.jit(
+            train_step,
+            static_argnums=(0, 1, 2),
+            in_shardings=(self.state_shardings, *[self.batch_sharding] * 3, self.replicated),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=3,
+        )
+        return lambda state, *batch: step(self.graphdef, self.program, stage, state, *batch)
 
     def step_fn(self, stage: str) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
         """The jitted ``(state, inputs, targets) -> (state, metrics)`` of ``stage`` (the state is donated)."""
