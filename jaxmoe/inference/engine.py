@@ -20,8 +20,10 @@ run the same jitted step (:meth:`Engine.serve_follower`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Callable, Iterable
 
 import jax
@@ -37,6 +39,7 @@ from jaxmoe.inference.programs import Programs, Shape, abstract_inputs, shape_of
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
 from jaxmoe.sharding import state_shardings
+from jaxmoe.vision.layout import image_grids, merged_tokens, pad_patches, vision_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,8 @@ class EngineConfig:
         compiling it before the step (bit-reproducible outputs). Engines without a mesh only: on a
         mesh the pools take the layout XLA gives the first write's output, which a program compiled
         ahead of time from their initial layout would refuse.
+      image_cache: most images whose vision features are kept for the tenant's next request (an
+        agent re-sends its images every turn; the tower runs once per image, like its prefix).
       max_programs: most step shapes kept compiled. Meeting a new shape with this many compiled,
         or with the process holding over half of the ``vm.max_map_count`` memory maps Linux allows
         it (65,530 by default), drops them all (they recompile as they are met again): XLA:CPU maps
@@ -74,13 +79,15 @@ class EngineConfig:
     prefix_cache: bool = True
     compile_in_background: bool = False
     max_programs: int = 48
+    image_cache: int = 64
 
     def __post_init__(self):
         for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size", "max_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.snapshot_slots < 0:
-            raise ValueError(f"EngineConfig.snapshot_slots must be >= 0, got {self.snapshot_slots}")
+        for name in ("snapshot_slots", "image_cache"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass
@@ -93,6 +100,7 @@ class Completion:
     text: str | None
     prompt_tokens: int
     cached_tokens: int
+    image_tokens: int = 0  # prompt tokens that are image placeholders (counted in prompt_tokens)
 
 
 # Bucket floors, so that the few small shapes of a quiet engine share one program: a page table
@@ -140,6 +148,8 @@ def _step(graphdef, spec: CacheSpec, all_logits: bool, state, cache, groups, sam
 # The step reads the pools; a second program stores its writes into the donated pools in place.
 _step_jit = jax.jit(_step, static_argnums=(0, 1, 2))
 _write_jit = jax.jit(write, donate_argnums=(0,))
+# A request's images through the vision tower, once at submission (patches padded to a power of two).
+_vision_jit = jax.jit(lambda graphdef, state, inputs: nnx.merge(graphdef, state).vision(inputs), static_argnums=0)
 
 
 class Engine:
@@ -199,7 +209,9 @@ class Engine:
             "cached_tokens": 0,
             "padded_steps": 0,
             "program_evictions": 0,
+            "image_encodes": 0,
         }
+        self._images: collections.OrderedDict = collections.OrderedDict()  # (tenant, digest) -> features
 
     # ------------------------------------------------------------------------------------
     # Requests
@@ -237,10 +249,84 @@ class Engine:
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need a detokenizer (a checkpoint with a tokenizer)")
         seq = Sequence(id=self._next_id, request=request, tokens=prompt)
+        self._attach_images(seq)
         self._next_id += 1
         self.sequences[seq.id] = seq
         self.scheduler.submit(seq)
         return seq.id
+
+    def _attach_images(self, seq: Sequence) -> None:
+        """Gives ``seq`` its images' merged features and where they go in the prompt.
+
+        Raises:
+          ValueError: images for a model without a vision tower, images on a multi-process engine,
+            or placeholders that do not number the images' merged tokens.
+        """
+        images, vision = seq.request.images, self.cfg.vision
+        prompt = np.asarray(seq.tokens, np.int64)
+        placeholders = np.nonzero(prompt == vision.image_token_id)[0] if vision is not None else np.zeros(0, int)
+        if images is None:
+            if len(placeholders):
+                raise ValueError(
+                    f"prompt_ids hold {len(placeholders)} image placeholders (id {vision.image_token_id}) but the "
+                    "request has no images"
+                )
+            return
+        if vision is None:
+            raise ValueError("images: this model has no vision tower (model.vision is not set)")
+        if jax.process_count() > 1:
+            raise ValueError("images: image input is not supported on a multi-process engine")
+        grids = image_grids(images.grid_thw, vision)
+        M = merged_tokens(grids, vision)
+        if len(placeholders) != M:
+            raise ValueError(
+                f"prompt_ids hold {len(placeholders)} image placeholders (id {vision.image_token_id}); the images "
+                f"{[list(g) for g in grids]} need {M} (one per merged patch, in order)"
+            )
+        digests = images.digests()
+        features = self._image_features(seq.request.tenant, images, grids, digests)
+        seq.features = np.concatenate(features) if features else np.zeros((0, self.cfg.d_model), np.float32)
+        rows = np.full((len(prompt),), -1, np.int32)
+        rows[placeholders] = np.arange(M, dtype=np.int32)
+        seq.feature_rows = rows
+        # The prefix key of an image token: a hash of its image's content and its index in the image.
+        keys = np.zeros((len(prompt),), np.int64)
+        token = 0
+        for digest, f in zip(digests, features, strict=True):
+            for j in range(len(f)):
+                mixed = hashlib.sha256(digest + j.to_bytes(4, "little")).digest()
+                keys[placeholders[token]] = -1 - int.from_bytes(mixed[:7], "little")
+                token += 1
+        seq.image_keys = keys
+
+    def _image_features(self, tenant, images, grids, digests) -> list[np.ndarray]:
+        """Per image ``[merged, D]`` float32 features: from the tenant's recent images, or one tower
+        run over the rest (their patches padded to a power-of-two count of merge blocks)."""
+        vision = self.cfg.vision
+        keys = [(tenant, d) for d in digests] if tenant is not None else [None] * len(digests)
+        out = [self._images.get(k) if k is not None else None for k in keys]
+        new = [i for i, f in enumerate(out) if f is None]
+        if new:
+            starts = np.cumsum([0] + [h * w for h, w in grids])
+            pixels = np.concatenate([images.pixel_values[starts[i] : starts[i + 1]] for i in new])
+            inputs = vision_inputs(pixels, [grids[i] for i in new], vision)
+            K = vision.merge_size
+            total = K * _bucket(inputs.patches.shape[0] // K, 4)
+            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                merged = np.asarray(_host(_vision_jit(self.graphdef, self.state, pad_patches(inputs, total))))
+            at = 0
+            for i in new:
+                n = merged_tokens([grids[i]], vision)
+                out[i] = merged[at : at + n].astype(np.float32)
+                at += n
+            self.stats["image_encodes"] += len(new)
+        for k, f in zip(keys, out, strict=True):
+            if k is not None and self.config.image_cache:
+                self._images[k] = f
+                self._images.move_to_end(k)
+                while len(self._images) > self.config.image_cache:
+                    self._images.popitem(last=False)
+        return out
 
     def cancel(self, seq_id: int) -> None:
         """Stops a waiting or running request; its pages and slot go back to the pools."""
@@ -260,6 +346,7 @@ class Engine:
             text=seq.text,
             prompt_tokens=len(seq.request.prompt_ids),
             cached_tokens=seq.cached_tokens,
+            image_tokens=0 if seq.features is None else len(seq.features),
         )
 
     def generate(self, requests: Iterable[Request], progress: Callable[[int], None] | None = None) -> list[Completion]:
@@ -365,7 +452,7 @@ class Engine:
 
     def _compile(self, shape: Shape):
         """The step and write programs of ``shape``, compiled ahead of time (the compiler thread)."""
-        groups, sampling = abstract_inputs(shape, self.cfg.vocab_size)
+        groups, sampling = abstract_inputs(shape, self.cfg.vocab_size, self.cfg.d_model)
         state, cache = self._abstract
         lowered = _step_jit.lower(self.graphdef, self.spec, False, state, cache, groups, sampling)
         writes = lowered.out_info[2]
@@ -387,12 +474,13 @@ class Engine:
                 chunk=_bucket(max(n for _, n in prefill), minimum=8) if prefill else 0,
                 pages=M,
                 masked=bool(masks),
+                images=any(s.image_rows(s.computed, n) is not None for s, n in plan.rows),
             )
         )
         groups, order = [], []
         for rows, B, T in ((decode, shape.decode_rows, 1), (prefill, shape.prefill_rows, shape.chunk)):
             if B:
-                groups.append(self._group(rows, B, T, shape.pages))
+                groups.append(self._group(rows, B, T, shape.pages, shape.images))
                 order += [s for s, _ in rows] + [None] * (B - len(rows))
         mask = None
         if shape.masked:
@@ -435,8 +523,9 @@ class Engine:
             ids.append(self.eos_id)
         return ids
 
-    def _group(self, rows: list[tuple[Sequence, int]], B: int, T: int, M: int) -> Rows:
-        """``rows`` in a ``[B, T]`` group with ``M``-page tables (the rows past them: padding)."""
+    def _group(self, rows: list[tuple[Sequence, int]], B: int, T: int, M: int, images: bool = False) -> Rows:
+        """``rows`` in a ``[B, T]`` group with ``M``-page tables (the rows past them: padding); with
+        ``images``, the image features of their image tokens."""
         tokens = np.zeros((B, T), np.int32)
         start = np.zeros((B,), np.int32)
         length = np.zeros((B,), np.int32)
@@ -447,7 +536,17 @@ class Engine:
             start[b], length[b] = s.computed, n
             pages[b, : len(s.pages)] = s.pages
             slot[b] = s.slot
-        return Rows(tokens, start, length, pages, slot)
+        if not images:
+            return Rows(tokens, start, length, pages, slot)
+        embeds = np.zeros((B, T, self.cfg.d_model), np.float32)
+        from_image = np.zeros((B, T), bool)
+        for b, (s, n) in enumerate(rows):
+            feature_rows = s.image_rows(s.computed, n)
+            if feature_rows is not None:
+                at = np.nonzero(feature_rows >= 0)[0]
+                embeds[b, at] = s.features[feature_rows[at]]
+                from_image[b, at] = True
+        return Rows(tokens, start, length, pages, slot, embeds, from_image)
 
     def _advance(self, plan, order, tokens, logprobs) -> list[int]:
         """Book-keeping after the step: computed counts, sampled tokens, stops."""

@@ -40,6 +40,9 @@ class Rows(NamedTuple):
       length: ``[B]`` int32 valid new tokens; 0 for a padding row.
       pages: ``[B, M]`` int32 the row's page table (null page 0 past its pages).
       slot: ``[B]`` int32 the row's KDA slot; out of range (``num_slots``) for a padding row.
+      embeds: ``[B, T, D]`` float32 input embeddings of image tokens (the vision tower's merged
+        features, computed once per image at submission), or None: a step without image tokens.
+      from_image: ``[B, T]`` bool: the tokens whose input is ``embeds`` (their ids are placeholders).
     """
 
     tokens: jax.Array
@@ -47,6 +50,15 @@ class Rows(NamedTuple):
     length: jax.Array
     pages: jax.Array
     slot: jax.Array
+    embeds: jax.Array | None = None
+    from_image: jax.Array | None = None
+
+    def inputs(self, model) -> jax.Array:
+        """``[B, T, D]`` the new tokens' input embeddings, image features at image tokens."""
+        x = model.embed_tokens(self.tokens)
+        if self.embeds is None:
+            return x
+        return jnp.where(self.from_image[..., None], self.embeds.astype(x.dtype), x)
 
     def positions(self) -> jax.Array:
         """``[B, T]`` absolute positions of the new tokens."""
@@ -189,7 +201,7 @@ def forward(model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...]) -> tu
       ``{pool: [per layer of the pool: [per group: new entries]]}``.
     """
     writes = {k: [[] for _ in v] for k, v in cache.items()}
-    xs = [model.embed_tokens(g.tokens) for g in groups]
+    xs = [g.inputs(model) for g in groups]
     sizes = [x.shape[0] * x.shape[1] for x in xs]
     D = model.cfg.d_model
     for i, layer in enumerate(model.layers):

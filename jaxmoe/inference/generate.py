@@ -19,23 +19,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Sequence
 
 import jax
 from flax import nnx
 from tqdm import tqdm
 
+from jaxmoe.chat.decoding import MarkupIds
+from jaxmoe.chat.format import markup_for
+from jaxmoe.chat.template import render
 from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.checkpoint.io import CONFIG_FILE, load_model
 from jaxmoe.config import Config, MeshConfig
 from jaxmoe.errors import CheckpointError
 from jaxmoe.inference.engine import Engine, EngineConfig, place
 from jaxmoe.inference.sampler import SamplingParams
-from jaxmoe.inference.scheduler import Request
+from jaxmoe.inference.scheduler import Images, Request
 from jaxmoe.model import abstract_model
 from jaxmoe.paths import resolve
 from jaxmoe.rules import MESH_AXES
 from jaxmoe.sharding import make_mesh
 from jaxmoe.train.checkpoints import CHECKPOINT_DIR, TOKENIZER_FILE, restore_model
+from jaxmoe.vision.layout import merged_tokens
+from jaxmoe.vision.preprocess import ImageError, preprocess
 
 REQUEST_FIELDS = ("prompt_ids", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
@@ -108,30 +114,74 @@ def generate(
     path: str | pathlib.Path,
     prompt: str,
     *,
+    images: Sequence[str | pathlib.Path] = (),
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     seed: int = 0,
     engine_config: EngineConfig | None = None,
 ) -> dict:
-    """Loads ``path`` and continues ``prompt``: ``{"prompt", "completion", "tokens", "text", "finish_reason"}``."""
+    """Loads ``path`` and continues ``prompt``: ``{"prompt", "completion", "tokens", "text", "finish_reason"}``.
+
+    With ``images`` (files; a checkpoint with a vision tower) the prompt is a user turn instead, the
+    images first, then the text, rendered by the chat template without thinking; the completion is
+    the assistant's answer, up to the end of its turn, and ``text`` is that answer.
+
+    Raises:
+      RequestError: images for a model without a vision tower, or an image that cannot be used.
+    """
     cfg, model, tokenizer = load_for_generation(path)
     if tokenizer is None:
         raise FileNotFoundError(
             f"no {TOKENIZER_FILE} in {str(path)!r} or its parent: --prompt needs one (use --requests with prompt_ids)"
         )
-    prompt_ids = (tokenizer.eos_id, *tokenizer.encode(prompt))
-    request = Request(
-        prompt_ids, max_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, seed=seed)
-    )
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    if images:
+        request = _image_request(cfg, tokenizer, prompt, images, max_new_tokens, sampling)
+    else:
+        request = Request((tokenizer.eos_id, *tokenizer.encode(prompt)), max_tokens=max_new_tokens, sampling=sampling)
     out = _engine(model, tokenizer, engine_config).generate([request])[0]
     completion = out.text
     return {
         "prompt": prompt,
         "completion": completion,
         "tokens": out.output_ids,
-        "text": prompt + completion,
+        "text": completion if images else prompt + completion,
         "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "image_tokens": out.image_tokens,
     }
+
+
+def _image_request(cfg: Config, tokenizer: Tokenizer, prompt: str, files, max_tokens: int, sampling) -> Request:
+    """A chat turn of ``files`` (images) then ``prompt``, ending at the end of the answer's turn."""
+    vision = cfg.model.vision
+    if vision is None:
+        raise RequestError("--image: this checkpoint's model has no vision tower (model.vision is not set)")
+    data = []
+    for f in files:
+        try:
+            data.append(pathlib.Path(f).read_bytes())
+        except OSError as e:
+            raise RequestError(f"--image {str(f)!r}: {e.strerror or e}") from None
+    try:
+        pixel_values, grid = preprocess(data, vision)
+    except ImageError as e:
+        names = {f"image {i}": f"--image {str(f)!r}" for i, f in enumerate(files)}
+        message = str(e)
+        for name, flag in names.items():
+            message = message.replace(f"{name}:", f"{flag}:")
+        raise RequestError(message) from None
+    content = [{"type": "image", "tokens": merged_tokens([(int(h), int(w))], vision)} for _, h, w in grid]
+    content.append({"type": "text", "text": prompt})
+    try:
+        ids = render([{"role": "user", "content": content}], tokenizer, thinking=False,
+                     image_token_id=vision.image_token_id)  # fmt: skip
+    except ValueError as e:
+        raise RequestError(f"--image: {e}") from None
+    ends = MarkupIds.from_tokenizer(tokenizer, markup_for(tokenizer)).end_ids
+    return Request(
+        tuple(ids), max_tokens=max_tokens, sampling=sampling, stop_ids=ends, images=Images(pixel_values, grid)
+    )
 
 
 class RequestError(ValueError):

@@ -20,7 +20,7 @@ from jaxmoe.inference.forward import Rows
 from jaxmoe.inference.sampler import RowSampling
 
 _MAX_GROUPS = 2
-_HEADER = 7 + 3 * _MAX_GROUPS  # flag, 4 maintenance sizes, group count, (B, T, M) per group, mask V
+_HEADER = 8 + 3 * _MAX_GROUPS  # flag, 4 maintenance sizes, group count, (B, T, M) per group, embeds D, mask V
 
 
 class Work(NamedTuple):
@@ -42,6 +42,8 @@ def _header(work: Work | None) -> np.ndarray:
     h[5] = len(work.groups)
     for g, rows in enumerate(work.groups):
         h[6 + 3 * g : 9 + 3 * g] = [*rows.tokens.shape, rows.pages.shape[1]]
+    if work.groups and work.groups[0].embeds is not None:
+        h[-2] = work.groups[0].embeds.shape[2]
     if work.sampling is not None and work.sampling.mask is not None:
         h[-1] = work.sampling.mask.shape[1]
     return h
@@ -57,7 +59,8 @@ def _placeholder(h: np.ndarray) -> Work:
     groups = []
     for g in range(int(h[5])):
         B, T, M = (int(x) for x in h[6 + 3 * g : 9 + 3 * g])
-        groups.append(Rows(z(B, T), z(B), z(B), z(B, M), z(B)))
+        images = (z(B, T, int(h[-2]), dtype=np.float32), z(B, T, dtype=bool)) if h[-2] else (None, None)
+        groups.append(Rows(z(B, T), z(B), z(B), z(B, M), z(B), *images))
     n = sum(r.tokens.shape[0] for r in groups)
     sampling = None
     if groups:

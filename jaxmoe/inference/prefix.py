@@ -24,7 +24,7 @@ import numpy as np
 @dataclasses.dataclass(eq=False)  # entries are compared by identity (their tokens are arrays)
 class PrefixEntry:
     tenant: str
-    tokens: np.ndarray  # [n] int32: the tokens whose state the entry holds
+    tokens: np.ndarray  # [n] int64: the key of the tokens whose state the entry holds (Sequence.key)
     pages: list[int]  # pages holding positions 0 .. n - 1
     slot: int  # KDA snapshot after token n - 1
     last_used: int = 0

@@ -42,6 +42,7 @@ class Shape(NamedTuple):
       chunk: new tokens per prefill row (0 without a prefill group).
       pages: page-table width of both groups.
       masked: the sampler gets a ``[B, V]`` mask of allowed tokens.
+      images: the groups carry image-token embeddings (:class:`Rows` ``embeds``).
     """
 
     decode_rows: int
@@ -49,6 +50,7 @@ class Shape(NamedTuple):
     chunk: int
     pages: int
     masked: bool
+    images: bool = False
 
     def covers(self, other: Shape) -> bool:
         """Every row of a step of shape ``other`` fits this shape's groups."""
@@ -58,6 +60,7 @@ class Shape(NamedTuple):
             and (other.prefill_rows == 0 or self.chunk >= other.chunk)
             and self.pages >= other.pages
             and self.masked >= other.masked
+            and self.images >= other.images
         )
 
     def cost(self) -> int:
@@ -78,17 +81,20 @@ def shape_of(groups: tuple[Rows, ...], sampling: RowSampling) -> Shape:
         chunk=prefill[0].tokens.shape[1] if prefill else 0,
         pages=groups[0].pages.shape[1],
         masked=sampling.mask is not None,
+        images=groups[0].embeds is not None,
     )
 
 
-def abstract_inputs(shape: Shape, vocab_size: int) -> tuple[tuple[Rows, ...], RowSampling]:
-    """``(groups, sampling)`` of ``shape`` as ``jax.ShapeDtypeStruct`` (what a program is lowered for)."""
+def abstract_inputs(shape: Shape, vocab_size: int, d_model: int = 0) -> tuple[tuple[Rows, ...], RowSampling]:
+    """``(groups, sampling)`` of ``shape`` as ``jax.ShapeDtypeStruct`` (what a program is lowered for);
+    ``d_model``: the width of the image embeddings of a shape with ``images``."""
 
     def sds(dims, dtype=np.int32):
         return jax.ShapeDtypeStruct(dims, dtype)
 
     def group(B, T):
-        return Rows(sds((B, T)), sds((B,)), sds((B,)), sds((B, shape.pages)), sds((B,)))
+        images = (sds((B, T, d_model), np.float32), sds((B, T), np.bool_)) if shape.images else (None, None)
+        return Rows(sds((B, T)), sds((B,)), sds((B,)), sds((B, shape.pages)), sds((B,)), *images)
 
     groups = []
     if shape.decode_rows:

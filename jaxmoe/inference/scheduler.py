@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -23,6 +24,30 @@ from jaxmoe.inference.allocator import PagePool, SlotPool, pages_for
 from jaxmoe.inference.constraint import Constraint
 from jaxmoe.inference.prefix import PrefixCache, PrefixEntry
 from jaxmoe.inference.sampler import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Images:
+    """A request's images, preprocessed (:func:`jaxmoe.vision.preprocess.preprocess`).
+
+    Attributes:
+      pixel_values: ``[P, 3, patch, patch]`` float32 patches of the images in order.
+      grid_thw: ``[I, 3]`` int patch grid of each image; the prompt holds one ``image_token_id``
+        placeholder per merged patch, the images' in order.
+    """
+
+    pixel_values: np.ndarray
+    grid_thw: np.ndarray
+
+    def digests(self) -> list[bytes]:
+        """A content digest per image (its grid and patches): the prefix key of its tokens."""
+        out, start = [], 0
+        for t, h, w in np.asarray(self.grid_thw).tolist():
+            n = t * h * w
+            pixels = np.ascontiguousarray(self.pixel_values[start : start + n], np.float32)
+            out.append(hashlib.sha256(np.asarray([t, h, w], np.int64).tobytes() + pixels.tobytes()).digest())
+            start += n
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +66,7 @@ class Request:
       priority: lower runs its prompt chunks first (a latency tier ahead of a deep one).
       min_tokens: the first this many new tokens are never eos, a stop id or a stop string's end
         (HF ``min_new_tokens``, vLLM ``min_tokens``), unless the constraint allows nothing else.
+      images: the images of the prompt's placeholders (a model with a vision tower), or None.
     """
 
     prompt_ids: tuple[int, ...]
@@ -53,6 +79,7 @@ class Request:
     constraint: Constraint | None = dataclasses.field(default=None, compare=False)
     priority: int = 0
     min_tokens: int = 0
+    images: Images | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -72,6 +99,30 @@ class Sequence:
     prompt_snapshot: bool = False  # a prefix entry at the prompt's end was taken
     finish_reason: str | None = None
     text: str | None = None
+    # With images: the merged image features [M, D] (computed once, at submission), the feature row
+    # of each prompt position ([prompt] int32, -1: a text token) and its prefix key ([prompt] int64,
+    # negative at image tokens: derived from the image's content, so that two requests with the same
+    # placeholder ids but other images never share a prefix).
+    features: np.ndarray | None = None
+    feature_rows: np.ndarray | None = None
+    image_keys: np.ndarray | None = None
+
+    def key(self, n: int | None = None) -> np.ndarray:
+        """The prefix key ``[n]`` int64 of the first ``n`` tokens (all by default)."""
+        key = np.asarray(self.tokens[: len(self.tokens) if n is None else n], np.int64)
+        if self.image_keys is not None:
+            m = min(len(key), len(self.image_keys))
+            key[:m] = np.where(self.image_keys[:m] < 0, self.image_keys[:m], key[:m])
+        return key
+
+    def image_rows(self, start: int, n: int) -> np.ndarray | None:
+        """Feature rows ``[n]`` of positions ``start .. start + n - 1`` (-1: text), or None without images."""
+        if self.feature_rows is None or start >= len(self.feature_rows):
+            return None
+        rows = np.full((n,), -1, np.int32)
+        part = self.feature_rows[start : start + n]
+        rows[: len(part)] = part
+        return rows if (rows >= 0).any() else None
 
     @property
     def pending(self) -> int:
@@ -169,7 +220,7 @@ class Scheduler:
         """Moves the head of the queue to running if a slot and pages for its prompt are there."""
         entry = None
         if self.prefix is not None and seq.request.tenant is not None:
-            entry = self.prefix.lookup(seq.request.tenant, np.asarray(seq.tokens, np.int32), self.steps)
+            entry = self.prefix.lookup(seq.request.tenant, seq.key(), self.steps)
         n = len(entry.tokens) if entry else 0
         shared = n // self.page_size
         need = pages_for(len(seq.tokens), self.page_size) - shared
@@ -253,7 +304,7 @@ class Scheduler:
         self.pages.share(pages)
         slot = self.slots.allocate()
         self._pending_snapshots.append((seq.slot, slot))
-        tokens = np.asarray(seq.tokens[:n], np.int32)
+        tokens = seq.key(n)
         self.prefix.add(PrefixEntry(seq.request.tenant, tokens, list(pages), slot, self.steps))
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -273,7 +324,7 @@ class Scheduler:
             and seq.computed > 0
             and seq.slot is not None
         ):
-            tokens = np.asarray(seq.tokens[: seq.computed], np.int32)
+            tokens = seq.key(seq.computed)
             self.prefix.add(PrefixEntry(seq.request.tenant, tokens, seq.pages, seq.slot, self.steps))
             seq.pages, seq.slot = [], None
         else:

@@ -143,3 +143,26 @@ def vision_inputs(pixel_values: np.ndarray, grids: list[tuple[int, int]], cfg: V
 def merged_tokens(grids: list[tuple[int, int]], cfg: VisionConfig) -> int:
     """Language-model tokens the images become (one ``image_token_id`` placeholder each)."""
     return sum((h // cfg.merge_height) * (w // cfg.merge_width) for h, w in grids)
+
+
+def pad_patches(inputs: VisionInputs, total: int) -> VisionInputs:
+    """``inputs`` with padding patches up to ``total`` (a multiple of the merge block), in an image
+    of their own: the real patches' features are unchanged (attention stays within an image), and
+    the padding's merged tokens come after the real ones (drop them)."""
+    P = inputs.patches.shape[0]
+    extra = total - P
+    if extra < 0:
+        raise ValueError(f"cannot pad {P} patches to {total}")
+    if extra == 0:
+        return inputs
+    pad = lambda a, value=0: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])
+    segment = int(inputs.segment.max()) + 1 if P else 0
+    return VisionInputs(
+        pad(inputs.patches),
+        pad(inputs.pos_index),
+        pad(inputs.pos_weight),
+        pad(inputs.cos, 1),
+        pad(inputs.sin),
+        pad(inputs.segment, segment),
+        np.concatenate([inputs.merge_order, np.arange(P, total, dtype=inputs.merge_order.dtype)]),
+    )
