@@ -20,10 +20,8 @@ run the same jitted step (:meth:`Engine.serve_follower`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import hashlib
 from collections.abc import Callable, Iterable
 
 import jax
@@ -34,12 +32,13 @@ from flax import nnx
 from jaxmoe.inference.allocator import pages_for
 from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maintenance
 from jaxmoe.inference.forward import Rows, forward, last_hidden, write
+from jaxmoe.inference.images import ImageFeatures
 from jaxmoe.inference.multihost import Work, broadcast
 from jaxmoe.inference.programs import Programs, Shape, abstract_inputs, shape_of
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
 from jaxmoe.sharding import state_shardings
-from jaxmoe.vision.layout import image_grids, merged_tokens, pad_patches, vision_inputs
+from jaxmoe.vision.layout import pad_patches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +210,7 @@ class Engine:
             "program_evictions": 0,
             "image_encodes": 0,
         }
-        self._images: collections.OrderedDict = collections.OrderedDict()  # (tenant, digest) -> features
+        self.images = ImageFeatures(model.cfg.vision, model.cfg.d_model, config.image_cache)
 
     # ------------------------------------------------------------------------------------
     # Requests
@@ -249,84 +248,20 @@ class Engine:
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need a detokenizer (a checkpoint with a tokenizer)")
         seq = Sequence(id=self._next_id, request=request, tokens=prompt)
-        self._attach_images(seq)
+        self.stats["image_encodes"] += self.images.attach(seq, self._encode)
         self._next_id += 1
         self.sequences[seq.id] = seq
         self.scheduler.submit(seq)
         return seq.id
 
-    def _attach_images(self, seq: Sequence) -> None:
-        """Gives ``seq`` its images' merged features and where they go in the prompt.
-
-        Raises:
-          ValueError: images for a model without a vision tower, images on a multi-process engine,
-            or placeholders that do not number the images' merged tokens.
-        """
-        images, vision = seq.request.images, self.cfg.vision
-        prompt = np.asarray(seq.tokens, np.int64)
-        placeholders = np.nonzero(prompt == vision.image_token_id)[0] if vision is not None else np.zeros(0, int)
-        if images is None:
-            if len(placeholders):
-                raise ValueError(
-                    f"prompt_ids hold {len(placeholders)} image placeholders (id {vision.image_token_id}) but the "
-                    "request has no images"
-                )
-            return
-        if vision is None:
-            raise ValueError("images: this model has no vision tower (model.vision is not set)")
-        if jax.process_count() > 1:
-            raise ValueError("images: image input is not supported on a multi-process engine")
-        grids = image_grids(images.grid_thw, vision)
-        M = merged_tokens(grids, vision)
-        if len(placeholders) != M:
-            raise ValueError(
-                f"prompt_ids hold {len(placeholders)} image placeholders (id {vision.image_token_id}); the images "
-                f"{[list(g) for g in grids]} need {M} (one per merged patch, in order)"
-            )
-        digests = images.digests()
-        features = self._image_features(seq.request.tenant, images, grids, digests)
-        seq.features = np.concatenate(features) if features else np.zeros((0, self.cfg.d_model), np.float32)
-        rows = np.full((len(prompt),), -1, np.int32)
-        rows[placeholders] = np.arange(M, dtype=np.int32)
-        seq.feature_rows = rows
-        # The prefix key of an image token: a hash of its image's content and its index in the image.
-        keys = np.zeros((len(prompt),), np.int64)
-        token = 0
-        for digest, f in zip(digests, features, strict=True):
-            for j in range(len(f)):
-                mixed = hashlib.sha256(digest + j.to_bytes(4, "little")).digest()
-                keys[placeholders[token]] = -1 - int.from_bytes(mixed[:7], "little")
-                token += 1
-        seq.image_keys = keys
-
-    def _image_features(self, tenant, images, grids, digests) -> list[np.ndarray]:
-        """Per image ``[merged, D]`` float32 features: from the tenant's recent images, or one tower
-        run over the rest (their patches padded to a power-of-two count of merge blocks)."""
-        vision = self.cfg.vision
-        keys = [(tenant, d) for d in digests] if tenant is not None else [None] * len(digests)
-        out = [self._images.get(k) if k is not None else None for k in keys]
-        new = [i for i, f in enumerate(out) if f is None]
-        if new:
-            starts = np.cumsum([0] + [h * w for h, w in grids])
-            pixels = np.concatenate([images.pixel_values[starts[i] : starts[i + 1]] for i in new])
-            inputs = vision_inputs(pixels, [grids[i] for i in new], vision)
-            K = vision.merge_size
-            total = K * _bucket(inputs.patches.shape[0] // K, 4)
-            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                merged = np.asarray(_host(_vision_jit(self.graphdef, self.state, pad_patches(inputs, total))))
-            at = 0
-            for i in new:
-                n = merged_tokens([grids[i]], vision)
-                out[i] = merged[at : at + n].astype(np.float32)
-                at += n
-            self.stats["image_encodes"] += len(new)
-        for k, f in zip(keys, out, strict=True):
-            if k is not None and self.config.image_cache:
-                self._images[k] = f
-                self._images.move_to_end(k)
-                while len(self._images) > self.config.image_cache:
-                    self._images.popitem(last=False)
-        return out
+    def _encode(self, inputs) -> np.ndarray:
+        """``[merged, D]`` float32 features of a batch of images (patches padded to a power-of-two
+        count of merge blocks, so few programs serve all image sizes)."""
+        K = self.cfg.vision.merge_size
+        total = K * _bucket(inputs.patches.shape[0] // K, 4)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            merged = _vision_jit(self.graphdef, self.state, pad_patches(inputs, total))
+        return np.asarray(_host(merged), np.float32)
 
     def cancel(self, seq_id: int) -> None:
         """Stops a waiting or running request; its pages and slot go back to the pools."""
