@@ -279,6 +279,8 @@ def _cmd_generate(args) -> int:
 
     if (args.prompt is None) == (args.requests is None):
         args.parser.error("give exactly one of --prompt TEXT or --requests IN.jsonl")
+    if args.image and args.prompt is None:
+        args.parser.error("--image goes with --prompt (the question about the images)")
     if args.requests is not None and args.out is None:
         args.parser.error("--requests needs --out OUT.jsonl")
     if args.max_new_tokens < 1:
@@ -302,6 +304,7 @@ def _cmd_generate(args) -> int:
         out = generate(
             args.checkpoint,
             args.prompt,
+            images=args.image,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             seed=args.seed,
@@ -401,7 +404,15 @@ def _add_generate(sub) -> argparse.ArgumentParser:
         required=True,
         help="training workdir, its checkpoints/ root, or a model checkpoint (e.g. DIR/export_mxfp4); local or gs://",
     )
-    gen.add_argument("--prompt", default=None, help="text to continue")
+    gen.add_argument("--prompt", default=None, help="text to continue (with --image: the question about the images)")
+    gen.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image (PNG, JPEG, WebP, GIF, BMP) for a model with a vision tower; repeat for more. The prompt "
+        "becomes a chat turn (the images, then --prompt) and the answer ends with its turn",
+    )
     gen.add_argument("--requests", type=pathlib.Path, default=None, help="JSON lines of requests")
     gen.add_argument("--out", type=pathlib.Path, default=None, help="JSON lines of results, in input order")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="--prompt: tokens to generate (default 64)")

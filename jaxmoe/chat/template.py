@@ -26,6 +26,9 @@ Messages are the internal form the API layers build (OpenAI-like)::
 ``content`` may also be a list of ``{"type": "text", "text": str}`` parts (joined with newlines);
 a user's list may hold ``{"type": "image", "tokens": n}`` parts too: an image already preprocessed,
 rendered as ``n`` placeholders (``<|image|>``, the model's ``vision.image_token_id``) where it stands.
+A jinja template gets each as an HF ``{"type": "image"}`` part and writes the image token once per
+image (as Kimi K2.5's does, ``<|media_pad|>``); each is expanded to the image's ``n`` placeholders,
+as the family's processor does it.
 Earlier turns' reasoning and every tool result are rendered back in full, in order.
 """
 
@@ -58,6 +61,7 @@ def render(
     tools: Sequence[dict] | None = None,
     thinking: bool = True,
     markup: Markup = NATIVE,
+    image_token_id: int | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation, ending with the assistant's generation prompt.
 
@@ -71,6 +75,8 @@ def render(
         opens and closes it (``<|assistant|><|think|><|/think|>``). A jinja template receives it as
         ``enable_thinking``.
       markup: the structural tokens of the native format.
+      image_token_id: the model's image placeholder id (``vision.image_token_id``); a jinja
+        template's conversation with images needs it (the native format uses ``<|image|>``).
 
     Returns:
       The token ids, ``list[int]``.
@@ -82,7 +88,7 @@ def render(
     messages = [_checked(i, m) for i, m in enumerate(messages)]
     tools = [_tool_function(i, t) for i, t in enumerate(tools or ())]
     if tokenizer.chat_template is not None:
-        return _render_jinja(messages, tokenizer, tools=tools, thinking=thinking)
+        return _render_jinja(messages, tokenizer, tools=tools, thinking=thinking, image_token_id=image_token_id)
     return _render_native(messages, tokenizer, tools=tools, thinking=thinking, markup=markup)
 
 
@@ -438,9 +444,18 @@ def hf_messages(messages: Sequence[dict]) -> list[dict]:
     with the arguments parsed from their JSON text; reasoning is carried as ``reasoning_content``
     (and ``thinking``, which gpt-oss templates read), as HF's apply_chat_template aliases it.
     """
+    return _hf_form([_checked(i, m) for i, m in enumerate(messages)])
+
+
+def _hf_form(checked: list[dict]) -> list[dict]:
+    """:func:`hf_messages` of messages already checked (checking twice would lose the image parts)."""
     out = []
-    for i, m in enumerate([_checked(i, m) for i, m in enumerate(messages)]):
+    for i, m in enumerate(checked):
         hf = {"role": m["role"], "content": m["content"]}
+        if "parts" in m:
+            hf["content"] = [
+                {"type": "image"} if isinstance(p, int) else {"type": "text", "text": p} for p in m["parts"]
+            ]
         if m["role"] == "assistant":
             if m["reasoning"] is not None:
                 hf = {"thinking": m["reasoning"], **hf, "reasoning_content": m["reasoning"]}
@@ -463,7 +478,9 @@ def _hf_call(field: str, call: dict) -> dict:
     return {**call_id, "type": "function", "function": {"name": call["name"], "arguments": arguments}}
 
 
-def _render_jinja(messages: list[dict], tokenizer: Tokenizer, *, tools: list[dict], thinking: bool) -> list[int]:
+def _render_jinja(
+    messages: list[dict], tokenizer: Tokenizer, *, tools: list[dict], thinking: bool, image_token_id: int | None
+) -> list[int]:
     pattern = _pattern(_control_tokens(tokenizer))
     kwargs = {"enable_thinking": thinking}
     if tokenizer.bos_token is not None:
@@ -472,7 +489,7 @@ def _render_jinja(messages: list[dict], tokenizer: Tokenizer, *, tools: list[dic
     compiled = _compiled(tokenizer.chat_template)
     try:
         text = compiled.render(
-            messages=_marked(hf_messages(messages), pattern),
+            messages=_marked(_hf_form(messages), pattern),
             tools=_marked([{"type": "function", "function": t} for t in tools], pattern) or None,
             documents=None,
             add_generation_prompt=True,
@@ -480,4 +497,23 @@ def _render_jinja(messages: list[dict], tokenizer: Tokenizer, *, tools: list[dic
         )
     except jinja2.TemplateError as e:  # raise_exception(...) or a sandbox refusal: the conversation's fault
         raise ValueError(f"the chat template refused the conversation: {e}") from e
-    return _encode_marked(tokenizer, text)
+    ids = _encode_marked(tokenizer, text)
+    counts = [p for m in messages for p in m.get("parts", ()) if isinstance(p, int)]
+    return _expand_images(ids, counts, image_token_id) if counts else ids
+
+
+def _expand_images(ids: list[int], counts: list[int], image_token_id: int | None) -> list[int]:
+    """``ids`` with the template's one image token per image expanded to each image's ``counts``."""
+    if image_token_id is None:
+        raise ValueError("the conversation holds images, but no image_token_id was given for the chat template")
+    at = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(at) != len(counts):
+        raise ValueError(
+            f"the chat template wrote {len(at)} image tokens (id {image_token_id}) for the conversation's "
+            f"{len(counts)} images; it must write one per image"
+        )
+    out, prev = [], 0
+    for i, n in zip(at, counts, strict=True):
+        out += ids[prev:i] + [image_token_id] * n
+        prev = i + 1
+    return out + ids[prev:]

@@ -16,7 +16,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from jaxmoe.serve import params
+from jaxmoe.serve import images, params
 from jaxmoe.serve.errors import bad_request
 from jaxmoe.serve.service import Outcome, Service
 from jaxmoe.serve.streaming import collect, respond, sse_stream
@@ -55,19 +55,27 @@ def _user(i: int, content) -> list[dict]:
         return [{"role": "user", "content": content}]
     if not isinstance(content, list) or not content:
         raise bad_request(f"{field}: must be a string or a non-empty list of content blocks", field)
-    out, text = [], []
+    out, parts = [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
+            if parts and isinstance(parts[-1], str):
+                parts[-1] += block["text"]
+            else:
+                parts.append(block["text"])
+        elif kind == "image":
+            parts.append(images.anthropic_image(block, f"{field}[{j}]"))
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
             out.append(
                 {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_text(block, f"{field}[{j}]")}
             )
         else:
-            raise bad_request(f"{field}[{j}]: a user block must be text or tool_result, got {kind!r}", field)
-    if text:
-        out.append({"role": "user", "content": "".join(text)})
+            raise bad_request(f"{field}[{j}]: a user block must be text, image or tool_result, got {kind!r}", field)
+    if len(parts) == 1 and isinstance(parts[0], str):
+        out.append({"role": "user", "content": parts[0]})
+    elif parts:
+        content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+        out.append({"role": "user", "content": content})
     return out
 
 

@@ -24,6 +24,7 @@ from jaxmoe.serve.metrics import Metrics
 from jaxmoe.serve.runner import EngineRunner
 from jaxmoe.serve.service import Service
 from jaxmoe.serve.tiers import DEFAULT_BUDGETS, DEFAULT_SLOTS, TIERS, TierGate
+from jaxmoe.vision.preprocess import ImageLimits
 
 log = logging.getLogger(__name__)
 _OPEN_PATHS = ("/health",)
@@ -43,6 +44,7 @@ class ServeConfig:
     page_size: int = 16
     step_tokens: int = 256
     chunk_size: int = 128
+    image_limits: ImageLimits = ImageLimits()
 
 
 def create_app(service: Service) -> FastAPI:
@@ -155,4 +157,6 @@ def build_service(checkpoint: str | pathlib.Path, config: ServeConfig) -> Servic
         max_context=cfg.model.max_context,
         vocab_size=cfg.model.vocab_size,
         request_timeout=config.request_timeout,
+        vision=cfg.model.vision,
+        image_limits=config.image_limits,
     )

@@ -44,6 +44,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-size", type=int, default=128, help="most prompt tokens of a sequence per step (default 128)"
     )
+    from jaxmoe.vision.preprocess import ImageLimits  # noqa: PLC0415 (jax behind it: keep --help fast)
+
+    limits = ImageLimits()
+    p.add_argument(
+        "--max-images",
+        type=int,
+        default=limits.max_images,
+        help=f"images in one request (a model with a vision tower; default {limits.max_images})",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=limits.max_bytes,
+        help=f"encoded bytes of one image (default {limits.max_bytes})",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=limits.max_pixels,
+        help=f"width x height of one image before resizing (default {limits.max_pixels})",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -51,6 +72,7 @@ def config_from_args(args):
     """A :class:`ServeConfig` from the flags; ``parser.error`` (exit 2) naming the flag on bad values."""
     from jaxmoe.serve.app import ServeConfig  # noqa: PLC0415
     from jaxmoe.serve.auth import load_api_keys  # noqa: PLC0415
+    from jaxmoe.vision.preprocess import ImageLimits  # noqa: PLC0415
 
     error = args.parser.error
     for flag in ("max_queue", "page_size", "step_tokens", "chunk_size"):
@@ -64,6 +86,12 @@ def config_from_args(args):
         error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         error("--ssl-certfile and --ssl-keyfile go together")
+    for flag in ("max_images", "max_image_bytes", "max_image_pixels"):
+        if getattr(args, flag) < 1:
+            error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    image_limits = ImageLimits(
+        max_images=args.max_images, max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels
+    )
     try:
         budgets = parse_tier_values(args.thinking_budgets, "--thinking-budgets")
         slots = parse_tier_values(args.tier_slots, "--tier-slots")
@@ -81,6 +109,7 @@ def config_from_args(args):
         page_size=args.page_size,
         step_tokens=args.step_tokens,
         chunk_size=args.chunk_size,
+        image_limits=image_limits,
     )
 
 

@@ -15,7 +15,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from jaxmoe.serve import params
+from jaxmoe.serve import images, params
 from jaxmoe.serve.errors import bad_request
 from jaxmoe.serve.service import Event, Outcome, Service
 from jaxmoe.serve.streaming import collect, respond, sse_stream
@@ -67,10 +67,12 @@ def _message(i: int, m) -> dict:
     role = m.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise bad_request(f"{field}.role: must be system, developer, user, assistant or tool, got {role!r}", field)
-    out = {
-        "role": "system" if role == "developer" else role,
-        "content": params.text_of(m.get("content"), f"{field}.content"),
-    }
+    content = m.get("content")
+    if role == "user" and isinstance(content, list):
+        content = _user_content(content, f"{field}.content")
+    else:
+        content = params.text_of(content, f"{field}.content")
+    out = {"role": "system" if role == "developer" else role, "content": content}
     if role == "assistant":
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         if reasoning is not None and not isinstance(reasoning, str):
@@ -84,6 +86,28 @@ def _message(i: int, m) -> dict:
         if not isinstance(m.get("tool_call_id"), str):
             raise bad_request(f"{field}.tool_call_id: required for a tool message, a string", field)
         out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _user_content(parts: list, field: str) -> str | list:
+    """A user's content parts: their text, or with ``image_url`` parts the parts in order (adjacent
+    texts joined as ``text_of`` joins them)."""
+    out: list = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            out.append(images.openai_image(part, f"{field}[{j}]"))
+        elif kind == "text" and isinstance(part.get("text"), str):
+            if out and isinstance(out[-1], dict):
+                out[-1] = {"type": "text", "text": out[-1]["text"] + part["text"]}
+            else:
+                out.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_request(
+                f"{field}[{j}]: a user content part must be text or image_url, got {kind!r}", f"{field}[{j}]"
+            )
+    if not any(isinstance(p, images.ImagePart) for p in out):
+        return out[0]["text"] if out else ""
     return out
 
 
@@ -197,7 +221,11 @@ def _usage(o: Outcome) -> dict:
         "completion_tokens": o.completion_tokens,
         "total_tokens": o.prompt_tokens + o.completion_tokens,
         "completion_tokens_details": {"reasoning_tokens": o.reasoning_tokens},
-        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": o.cached_tokens,
+            "image_tokens": o.image_tokens,
+            "text_tokens": o.prompt_tokens - o.image_tokens,
+        },
     }
 
 

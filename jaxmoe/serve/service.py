@@ -24,14 +24,17 @@ from jaxmoe.chat.decoding import ChatDecoding, MarkupIds
 from jaxmoe.chat.format import markup_for
 from jaxmoe.chat.template import render
 from jaxmoe.chat.tokenizer import Tokenizer
+from jaxmoe.config import VisionConfig
 from jaxmoe.inference.sampler import SamplingParams
 from jaxmoe.inference.scheduler import Request
 from jaxmoe.serve import params
 from jaxmoe.serve.auth import KeyChecker
 from jaxmoe.serve.errors import APIError, bad_request
+from jaxmoe.serve.images import prepare as prepare_images
 from jaxmoe.serve.metrics import Metrics
 from jaxmoe.serve.runner import EngineRunner
 from jaxmoe.serve.tiers import TIERS, QueueFull, TierGate
+from jaxmoe.vision.preprocess import ImageLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Outcome:
     reasoning_tokens: int
     cached_tokens: int
     text: str | None = None  # plain completions: the engine's text
+    image_tokens: int = 0  # prompt tokens that are image placeholders (in prompt_tokens)
 
 
 @dataclasses.dataclass
@@ -68,6 +72,7 @@ class Job:
     decoding: ChatDecoding | None  # None: a plain completion (no chat constraint, no parsing)
     stop: tuple[str, ...] = ()
     call_prefix: str = "call_"  # tool-call ids: OpenAI call_..., Anthropic toolu_...
+    image_tokens: int = 0
 
 
 class _SingleCall:
@@ -135,10 +140,13 @@ class Service:
         max_context: int,
         vocab_size: int,
         request_timeout: float | None,
+        vision: VisionConfig | None = None,
+        image_limits: ImageLimits | None = None,
     ):
         self.tokenizer, self.runner, self.gate, self.metrics, self.checker = tokenizer, runner, gate, metrics, checker
         self.model_name, self.budgets, self.max_context = model_name, budgets, max_context
         self.vocab_size, self.request_timeout = vocab_size, request_timeout
+        self.vision, self.image_limits = vision, image_limits or ImageLimits()
         self.markup = markup_for(tokenizer)
         self.ids = MarkupIds.from_tokenizer(tokenizer, self.markup)
         self.created = int(time.time())
@@ -194,13 +202,14 @@ class Service:
     ) -> Job:
         """Renders the prompt and builds the constraint; raises :class:`APIError` 400 naming the field.
 
+        User messages may hold :class:`~jaxmoe.serve.images.ImagePart` s in their content lists;
+        they are decoded and preprocessed here, and go to the engine with the request.
+
         ``min_tokens`` (vLLM's extension): the answer's first N tokens never end it (the grammar may
         still end it where nothing else is allowed, e.g. after a complete forced tool call).
         """
-        try:
-            prompt = render(messages, self.tokenizer, tools=tools or None, thinking=bool(thinking_budget))
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from e
+        messages, images, image_tokens = prepare_images(messages, self.vision, self.image_limits)
+        prompt = self._render(messages, tools, bool(thinking_budget))
         # The answer starts in thinking when the prompt opened it (a template may not have).
         thinking = bool(thinking_budget) and self.ids.think_open is not None and prompt[-1] == self.ids.think_open
         limit = self.max_tokens(max_tokens, len(prompt), max_tokens_field)
@@ -228,12 +237,20 @@ class Service:
             tenant=tenant,
             priority=TIERS.index(tier),
             min_tokens=min_tokens,
+            images=images,
         )
-        return Job(tier, rule, prompt, request, thinking, decoding, tuple(stop))
+        return Job(tier, rule, prompt, request, thinking, decoding, tuple(stop), image_tokens=image_tokens)
 
     def count_tokens(self, messages: list[dict], tools: list[dict], thinking: bool) -> int:
+        messages, _, _ = prepare_images(messages, self.vision, self.image_limits)
+        return len(self._render(messages, tools, thinking))
+
+    def _render(self, messages: list[dict], tools: list[dict], thinking: bool) -> list[int]:
+        image_token_id = self.vision.image_token_id if self.vision is not None else None
         try:
-            return len(render(messages, self.tokenizer, tools=tools or None, thinking=thinking))
+            return render(
+                messages, self.tokenizer, tools=tools or None, thinking=thinking, image_token_id=image_token_id
+            )
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
@@ -324,7 +341,9 @@ class Service:
             finish = "tool_calls" if run.calls else "stop"
         self.metrics.prefix_cache_hit_tokens.inc(cached)
         reasoning = parser.reasoning_tokens if parser is not None else 0
-        return Outcome(finish, run.stopped, len(job.prompt_ids), run.tokens, reasoning, cached)
+        return Outcome(
+            finish, run.stopped, len(job.prompt_ids), run.tokens, reasoning, cached, image_tokens=job.image_tokens
+        )
 
 
 @dataclasses.dataclass

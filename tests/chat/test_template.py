@@ -217,11 +217,12 @@ CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>")
 CHATML_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<unused>")
 
 
-def _chatml(template=CHATML):
+def _chatml(template=CHATML, specials=()):
     """A jaxmoe Tokenizer with a jinja template and its transformers twin (the reference)."""
     base = Tokenizer.train(CORPUS * 4, vocab_size=400, special_tokens=CHATML_SPECIALS)
     hf = tokenizers.Tokenizer.from_str(base.to_json_str())
     hf.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in CHATML_ADDED])
+    hf.add_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials])
     tok = Tokenizer(hf, eos_token="<|im_end|>", bos_token="<s>", chat_template=template)
     # A fresh copy: the Tokenizer's own `hf` encodes special-token strings as text, which HF's
     # apply_chat_template (encoding the rendered template) must not.
@@ -294,3 +295,34 @@ def test_hf_messages_form():
     assert got[0]["reasoning_content"] == got[0]["thinking"] == HISTORY[3]["reasoning"]
     assert got[1] == {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"}
     assert NATIVE.call_open not in json.dumps(got)
+
+
+# A Kimi K2.5-style template: one <|media_pad|> per HF {"type": "image"} part, where it stands.
+IMAGES = """{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}
+{%- if part.type == 'image' %}<|media_start|>image<|media_content|><|media_pad|><|media_end|>
+{%- else %}{{ part.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+MEDIA = ("<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
+
+
+def test_jinja_images_expand_to_their_placeholders():
+    tok, ref = _chatml(IMAGES, specials=MEDIA)
+    pad = tok.token_id("<|media_pad|>")
+    assert pad == ref.convert_tokens_to_ids("<|media_pad|>")
+    messages = [
+        {"role": "user", "content": [{"type": "image", "tokens": 3}, {"type": "text", "text": "and"},
+                                     {"type": "image", "tokens": 5}, {"type": "text", "text": "Which is larger?"}]},
+    ]  # fmt: skip
+    hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                       {"type": "text", "text": "Which is larger?"}]}]  # fmt: skip
+    assert hf_messages(messages) == hf
+    once = ref.apply_chat_template(hf, add_generation_prompt=True, chat_template=IMAGES, return_dict=False)
+    at = [i for i, t in enumerate(once) if t == pad]
+    want = once[: at[0]] + [pad] * 3 + once[at[0] + 1 : at[1]] + [pad] * 5 + once[at[1] + 1 :]
+    assert render(messages, tok, thinking=False, image_token_id=pad) == want
+    with pytest.raises(ValueError, match="no image_token_id"):
+        render(messages, tok, thinking=False)
+    with pytest.raises(ValueError, match="wrote 0 image tokens .* for the conversation's 2 images"):
+        render(messages, tok, thinking=False, image_token_id=tok.token_id("<|im_end|>") + 10**6)

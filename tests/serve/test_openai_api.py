@@ -1,11 +1,15 @@
 """The live server through the official ``openai`` SDK: plain, streamed, tool calls, budgets, formats."""
 
+import base64
+import io
 import json
 
+import anthropic
 import jsonschema
 import openai
 import pytest
 from conftest import BUDGETS, MODEL
+from PIL import Image
 
 WEATHER = {
     "type": "object",
@@ -207,3 +211,24 @@ def test_completions_equal_jaxmoe_generate(openai_client, run):
     assert r.usage.completion_tokens == len(ref["tokens"])
     streamed = openai_client.completions.create(model=MODEL, prompt="def ", max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == ref["completion"]
+
+
+def test_an_image_to_a_text_only_model_is_a_400(openai_client, anthropic_client):
+    url = "data:image/png;base64," + base64.b64encode(_PNG).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: this model takes no image input"):
+        openai_client.chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}]
+        )
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}}
+    with pytest.raises(anthropic.BadRequestError, match="this model takes no image input"):
+        anthropic_client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [block]}])
+
+
+def _png() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(out, format="PNG")
+    return out.getvalue()
+
+
+_PNG = _png()
