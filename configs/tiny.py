@@ -92,7 +92,7 @@ def get_config(arg=None):
             domains=("code", "tool_args", "budget"),
             prompts_per_step=6,
             group_size=8,
-            max_tokens=32,
+            max_tokens=48,
             temperature=1.0,
             thinking=dict(low=4, high=8, max=16),
             epsilon_low=0.2,
@@ -101,11 +101,11 @@ def get_config(arg=None):
             is_cap=2.0,
             optim=dict(learning_rate=2e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0),
             eval_every=20,
-            eval_prompts=8,
+            eval_prompts=16,
             eval_samples=4,
             checkpoint_every=10,
             # The cold start: the run trained on raw Python has never seen a chat turn (rl.sft).
-            sft=dict(steps=20, learning_rate=1e-3),
+            sft=dict(steps=40, learning_rate=1e-3),
         )
     if arg == "vl":
         # Image-text (jaxmoe.vision.train): the model with a MoonViT tower captions scikit-learn's

@@ -60,6 +60,12 @@ class EngineConfig:
         ahead of time from their initial layout would refuse.
       image_cache: most images whose vision features are kept for the tenant's next request (an
         agent re-sends its images every turn; the tower runs once per image, like its prefix).
+      min_decode_rows, min_page_table: floors of the decode group's rows (at most ``max_seqs``) and
+        of the page-table width, for batch jobs (RL rollouts, evaluations): their rows finish at
+        different steps and their prompts differ in length, and without floors each power of two of
+        rows still running and of pages used is a step shape of its own. Padding rows and pages
+        change no real row's result (see :mod:`jaxmoe.inference.programs`). 0: the engine's own
+        floors only.
       max_programs: most step shapes kept compiled. Meeting a new shape with this many compiled,
         or with the process holding over half of the ``vm.max_map_count`` memory maps Linux allows
         it (65,530 by default), drops them all (they recompile as they are met again): XLA:CPU maps
@@ -79,12 +85,14 @@ class EngineConfig:
     compile_in_background: bool = False
     max_programs: int = 48
     image_cache: int = 64
+    min_decode_rows: int = 0
+    min_page_table: int = 0
 
     def __post_init__(self):
         for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size", "max_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("snapshot_slots", "image_cache"):
+        for name in ("snapshot_slots", "image_cache", "min_decode_rows", "min_page_table"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -400,8 +408,10 @@ class Engine:
         masks = self._masks(plan)
         # One page-table width for both groups: the step compiles per (decode rows, prefill rows,
         # chunk, width), not per width of each group as well.
-        M = _bucket(max(pages_for(s.computed + n, self.config.page_size) for s, n in plan.rows), MIN_PAGES)
-        floor = min(MAX_DECODE_FLOOR, self.config.max_seqs, max(1, PADDED_ROW_PAGES // M))
+        c = self.config
+        M = _bucket(max(c.min_page_table, *(pages_for(s.computed + n, c.page_size) for s, n in plan.rows)), MIN_PAGES)
+        floor = min(MAX_DECODE_FLOOR, c.max_seqs, max(1, PADDED_ROW_PAGES // M))
+        floor = max(floor, min(c.min_decode_rows, c.max_seqs))
         shape = self.programs.choose(
             Shape(
                 decode_rows=_bucket(len(decode), floor) if decode else 0,

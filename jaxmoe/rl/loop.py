@@ -37,6 +37,8 @@ from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import Config
 from jaxmoe.errors import CheckpointError
+from jaxmoe.inference.allocator import pages_for
+from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE
 from jaxmoe.inference.engine import Engine, EngineConfig
 from jaxmoe.paths import Path, resolve
 from jaxmoe.rl.config import RLConfig
@@ -51,6 +53,8 @@ from jaxmoe.train.metrics import MetricsWriter
 from jaxmoe.train.step import Trainer, deep_merge
 
 PROMPT_POOL = 512  # training prompts drawn per domain (then cycled)
+ROLLOUT_CHUNK = 1024  # the longest prompt a rollout prefills in one step (longer ones take several)
+ROLLOUT_STEP_TOKENS = 16384  # prompt tokens of one engine step
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,13 +348,22 @@ def _loop(run: _Run, ckpt, writer, bar, stop_after: int | None) -> None:
 
 def _engine(cfg: Config, rl: RLConfig, model, tokenizer: Tokenizer, mesh) -> Engine:
     seqs = max(rl.prompts_per_step * rl.group_size, rl.eval_prompts * len(rl.domains) * rl.eval_samples)
+    # A whole batch's prompts prefill in one step (chunks up to ROLLOUT_CHUNK, ROLLOUT_STEP_TOKENS in
+    # all), and every decode step is padded to all the rows and to the page table of the longest
+    # turn, so a rollout meets a handful of step shapes, the same ones every step. Smaller budgets
+    # spread the prefill over many steps of mixed prefill and decode rows, and rows finishing at
+    # different steps made each power of two of rows a shape: a few new shapes a step, and with the
+    # compiled programs capped (EngineConfig.max_programs) they kept recompiling (measured on the
+    # default run: 26-94 s a rollout, against 1.5-3 s once its programs are compiled).
     config = EngineConfig(
         cache_bytes=rl.cache_bytes,
         max_seqs=seqs,
         snapshot_slots=0,
-        step_tokens=max(1024, seqs),
-        chunk_size=256,
+        step_tokens=max(ROLLOUT_STEP_TOKENS, seqs),
+        chunk_size=ROLLOUT_CHUNK,
         prefix_cache=False,  # the weights change every step: a prefix computed before is stale
+        min_decode_rows=rl.prompts_per_step * rl.group_size,  # a step's rollouts (an evaluation's: more)
+        min_page_table=pages_for(ROLLOUT_CHUNK + rl.max_tokens, DEFAULT_PAGE_SIZE),
     )
     return Engine(model, config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode, mesh=mesh)
 
