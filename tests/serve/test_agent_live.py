@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import MODEL
 
-from jaxmoe.agent import AgentSession
+from jaxmoe.agent import AgentError, AgentSession
 from jaxmoe.agent.sandbox import file_tools
 
 TOOL_TURNS = 3
@@ -47,7 +47,11 @@ def test_agent_calls_tools_for_several_turns_with_the_whole_history(server, tree
         max_tokens=48,
         request_options={"temperature": 0.0, "stop": ["\n"]},
     )
-    answer = session.run("Look around the project and say what it holds.")
+    try:
+        answer = session.run("Look around the project and say what it holds.")
+    except AgentError as e:  # the random model's last answer may not reach "\n" in 48 tokens: it is kept
+        assert f"turn {TOOL_TURNS + 1}: the answer was cut at its token limit" in str(e)
+        answer = session.messages[-1]["content"]
     assert len(sent) == TOOL_TURNS + 1 and session.context_tokens > 0  # max_model_len from GET /v1/models
     assert sent[0]["tool_choice"] == "required" and sent[-1]["tool_choice"] == "none"
     assert all(body["reasoning_effort"] == "low" for body in sent)
