@@ -60,8 +60,8 @@ class EngineConfig:
         ahead of time from their initial layout would refuse.
       image_cache: most images whose vision features are kept for the tenant's next request (an
         agent re-sends its images every turn; the tower runs once per image, like its prefix).
-      min_decode_rows, min_page_table: floors of the decode group's rows (at most ``max_seqs``) and
-        of the page-table width, for batch jobs (RL rollouts, evaluations): their rows finish at
+      min_decode_rows, min_context: floors of the decode group's rows (at most ``max_seqs``) and
+        of the positions the page table covers, for batch jobs (RL rollouts, evaluations): their rows finish at
         different steps and their prompts differ in length, and without floors each power of two of
         rows still running and of pages used is a step shape of its own. Padding rows and pages
         change no real row's result (see :mod:`jaxmoe.inference.programs`). 0: the engine's own
@@ -86,13 +86,13 @@ class EngineConfig:
     max_programs: int = 48
     image_cache: int = 64
     min_decode_rows: int = 0
-    min_page_table: int = 0
+    min_context: int = 0
 
     def __post_init__(self):
         for name in ("cache_bytes", "page_size", "max_seqs", "step_tokens", "chunk_size", "max_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("snapshot_slots", "image_cache", "min_decode_rows", "min_page_table"):
+        for name in ("snapshot_slots", "image_cache", "min_decode_rows", "min_context"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -409,7 +409,7 @@ class Engine:
         # One page-table width for both groups: the step compiles per (decode rows, prefill rows,
         # chunk, width), not per width of each group as well.
         c = self.config
-        M = _bucket(max(c.min_page_table, *(pages_for(s.computed + n, c.page_size) for s, n in plan.rows)), MIN_PAGES)
+        M = _bucket(pages_for(max(c.min_context, *(s.computed + n for s, n in plan.rows)), c.page_size), MIN_PAGES)
         floor = min(MAX_DECODE_FLOOR, c.max_seqs, max(1, PADDED_ROW_PAGES // M))
         floor = max(floor, min(c.min_decode_rows, c.max_seqs))
         shape = self.programs.choose(

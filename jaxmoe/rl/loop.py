@@ -37,8 +37,6 @@ from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.checkpoint.manager import CheckpointManager
 from jaxmoe.config import Config
 from jaxmoe.errors import CheckpointError
-from jaxmoe.inference.allocator import pages_for
-from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE
 from jaxmoe.inference.engine import Engine, EngineConfig
 from jaxmoe.paths import Path, resolve
 from jaxmoe.rl.config import RLConfig
@@ -347,7 +345,8 @@ def _loop(run: _Run, ckpt, writer, bar, stop_after: int | None) -> None:
 
 
 def _engine(cfg: Config, rl: RLConfig, model, tokenizer: Tokenizer, mesh) -> Engine:
-    seqs = max(rl.prompts_per_step * rl.group_size, rl.eval_prompts * len(rl.domains) * rl.eval_samples)
+    batch = rl.prompts_per_step * rl.group_size  # a step's rollouts (an evaluation's: seqs)
+    seqs = max(batch, rl.eval_prompts * len(rl.domains) * rl.eval_samples)
     # A whole batch's prompts prefill in one step (chunks up to ROLLOUT_CHUNK, ROLLOUT_STEP_TOKENS in
     # all), and every decode step is padded to all the rows and to the page table of the longest
     # turn, so a rollout meets a handful of step shapes, the same ones every step. Smaller budgets
@@ -362,8 +361,8 @@ def _engine(cfg: Config, rl: RLConfig, model, tokenizer: Tokenizer, mesh) -> Eng
         step_tokens=max(ROLLOUT_STEP_TOKENS, seqs),
         chunk_size=ROLLOUT_CHUNK,
         prefix_cache=False,  # the weights change every step: a prefix computed before is stale
-        min_decode_rows=rl.prompts_per_step * rl.group_size,  # a step's rollouts (an evaluation's: more)
-        min_page_table=pages_for(ROLLOUT_CHUNK + rl.max_tokens, DEFAULT_PAGE_SIZE),
+        min_decode_rows=batch,
+        min_context=ROLLOUT_CHUNK + rl.max_tokens,
     )
     return Engine(model, config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode, mesh=mesh)
 

@@ -304,14 +304,14 @@ def test_past_max_programs_the_programs_are_dropped_and_outputs_do_not_change(mo
 
 
 def test_floors_pad_every_step_to_one_decode_shape_and_outputs_do_not_change(model, prompts):
-    """EngineConfig.min_decode_rows / min_page_table (batch jobs): rows that finish at different steps
+    """EngineConfig.min_decode_rows / min_context (batch jobs): rows that finish at different steps
     and prompts of different lengths all decode on one shape, the page table as wide as the floor,
     and greedy still equals the full forward."""
     rng = np.random.default_rng(1)
     many = [tuple(rng.integers(0, VOCAB, n).tolist()) for n in rng.integers(2, 50, 12)]
     lengths = [int(n) for n in rng.integers(2, 12, 12)]  # rows finish at different steps
     requests = [Request(p, max_tokens=n) for p, n in zip(many, lengths)]
-    engine = small_engine(model, max_seqs=16, min_decode_rows=16, min_page_table=16)
+    engine = small_engine(model, max_seqs=16, min_decode_rows=16, min_context=128)  # 16 pages of 8
     outs = engine.generate(requests)
     for p, n, o in zip(many, lengths, outs):
         ids, logprobs = _full_forward_greedy(model, p, n)
@@ -321,7 +321,7 @@ def test_floors_pad_every_step_to_one_decode_shape_and_outputs_do_not_change(mod
     decode = {s for s in engine.programs.known if s.decode_rows}
     assert decode and {(s.decode_rows, s.pages) for s in decode} == {(16, 16)}
     assert all(s.pages == 16 for s in engine.programs.known)
-    for name in ("min_decode_rows", "min_page_table"):
+    for name in ("min_decode_rows", "min_context"):
         with pytest.raises(ValueError, match=f"{name} must be >= 0"):
             small_engine(model, **{name: -1})
 
