@@ -128,6 +128,8 @@ def _init_distributed(args, parser: argparse.ArgumentParser) -> None:
         missing = [k for k, v in given.items() if v is None]
         if missing:
             parser.error(f"{', '.join(missing)} missing: multi-process runs need all of {', '.join(given)}")
+        if args.heartbeat_timeout < 1:
+            parser.error(f"--heartbeat_timeout must be a positive number of seconds, got {args.heartbeat_timeout}")
         if not 0 <= args.process_id < args.num_processes:
             parser.error(f"--process_id must be in [0, --num_processes={args.num_processes}), got {args.process_id}")
         import jax  # noqa: PLC0415
@@ -136,6 +138,7 @@ def _init_distributed(args, parser: argparse.ArgumentParser) -> None:
             coordinator_address=args.coordinator_address,
             num_processes=args.num_processes,
             process_id=args.process_id,
+            heartbeat_timeout_seconds=args.heartbeat_timeout,
         )
     elif args.multihost == "auto" and any(k in os.environ for k in CLOUD_TPU_ENV):
         import jax  # noqa: PLC0415
@@ -382,6 +385,13 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int, default=None, help="number of processes (multi-process runs)")
     p.add_argument("--process_id", type=int, default=None, help="this process's index (multi-process runs)")
+    p.add_argument(
+        "--heartbeat_timeout",
+        type=int,
+        default=100,
+        help="seconds without a heartbeat before the coordinator declares a process dead (multi-process runs; "
+        "default 100, JAX's); raise it on hosts whose compiles can starve a process for longer",
+    )
     p.add_argument(
         "--multihost",
         choices=("auto", "off"),

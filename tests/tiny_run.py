@@ -21,6 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def coordinator_flags(num_processes: int = 2) -> list[str]:
+    """The CLI flags of a local multi-process run on a free port. CI's two cores also run the other
+    test worker, whose compiles can starve a process's heartbeats past JAX's 100 s (seen once):
+    the coordinator waits longer before it calls a process dead."""
+    return ["--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", str(num_processes),
+            "--heartbeat_timeout", "900"]  # fmt: skip
+
+
 def process_env(devices: int) -> dict[str, str]:
     """The environment of one process of a multi-process CPU run: ``devices`` fake devices, fp32 matmuls."""
     env = {

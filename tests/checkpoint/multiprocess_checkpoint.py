@@ -21,7 +21,8 @@ import jax
 from jax.experimental import multihost_utils
 
 coordinator, process_id, workdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
+# CI shares two cores with the other test worker: heartbeats can stall past JAX's default 100 s.
+jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id, heartbeat_timeout_seconds=900)
 
 import numpy as np  # noqa: E402
 

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from tiny_run import free_port
+from tiny_run import coordinator_flags
 
 from jaxmoe.checkpoint.io import save_model
 from jaxmoe.config import load_config
@@ -45,10 +45,9 @@ def test_two_processes_equal_one(checkpoint, tmp_path):
     done = subprocess.run(one, env=eight, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    port = free_port()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     two = [sys.executable, "-m", "jaxmoe", *argv, "--out", str(tmp_path / "two.jsonl"), "--no-progress"]
-    two += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
+    two += coordinator_flags(2)
     procs = [
         subprocess.Popen(
             [*two, "--process_id", str(i)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_run import OVERRIDES, ROOT, free_port, process_env
+from tiny_run import OVERRIDES, ROOT, coordinator_flags, process_env
 
 from jaxmoe.chat.tokenizer import Tokenizer
 from jaxmoe.config import MESH_AXES, ConfigError, MeshConfig
@@ -117,10 +117,10 @@ def test_two_processes_equal_one(run, whole, tmp_path):
     workdir = tmp_path / "two"
     env = process_env(4)
     argv = [sys.executable, "-m", "jaxmoe", "rl", "--config", "configs/tiny.py:rl", "--workdir", str(workdir)]
-    argv += ["--init", str(run.workdir), "--no-progress", "--coordinator_address", f"127.0.0.1:{free_port()}"]
+    argv += ["--init", str(run.workdir), "--no-progress", *coordinator_flags(2)]
     argv += [f"--config.{k}={v}" for k, v in (*MODEL_KEYS, *SMALL)]
     procs = [
-        subprocess.Popen([*argv, "--num_processes", "2", "--process_id", str(i)], env=env, cwd=ROOT,
+        subprocess.Popen([*argv, "--process_id", str(i)], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)
     ]  # fmt: skip

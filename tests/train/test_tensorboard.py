@@ -68,9 +68,12 @@ def test_sync_puts_every_event_on_disk(tmp_path):
 
 
 def test_files_sort_in_the_order_written(tmp_path):
-    # Within one second the names differ after the time: the purge step, then the part.
-    logs = [EventLog(tmp_path, resume_step=s) for s in (0, 3, 12)]
-    for log in logs:
+    # Within one second the names differ after the time: the purge step, then the part. Each
+    # restart opens after the previous one closed, as a resumed run does (a log opens its first
+    # file when made, so making all three up front would date the last before the first's part 2).
+    logs = []
+    for s in (0, 3, 12):
+        logs.append(log := EventLog(tmp_path, resume_step=s))
         log.scalars(100, {"loss": 1.0})
         log.sync()
         log.scalars(101, {"loss": 1.0})

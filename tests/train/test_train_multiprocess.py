@@ -7,20 +7,19 @@ import sys
 
 import numpy as np
 from conftest import ROOT, TINY_TRAIN  # noqa: F401 (pytest puts this directory on sys.path)
-from tiny_run import free_port, process_env
+from tiny_run import coordinator_flags, process_env
 
 from jaxmoe.checkpoint.io import load_model
 
 
 def test_two_processes_equal_one(run, flags, tmp_path):
     workdir = tmp_path / "two"
-    port = free_port()
     env = process_env(4)
     argv = [sys.executable, "-m", "jaxmoe", "train", "--config", TINY_TRAIN, "--workdir", str(workdir), *flags]
-    argv += ["--no-progress", "--coordinator_address", f"127.0.0.1:{port}"]
+    argv += ["--no-progress", *coordinator_flags(2)]
     procs = [
         subprocess.Popen(
-            [*argv, "--num_processes", "2", "--process_id", str(i)],
+            [*argv, "--process_id", str(i)],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
