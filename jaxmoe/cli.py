@@ -124,12 +124,12 @@ def _init_distributed(args, parser: argparse.ArgumentParser) -> None:
         "--num_processes": args.num_processes,
         "--process_id": args.process_id,
     }
+    if args.heartbeat_timeout < 1:
+        parser.error(f"--heartbeat_timeout must be a positive number of seconds, got {args.heartbeat_timeout}")
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
             parser.error(f"{', '.join(missing)} missing: multi-process runs need all of {', '.join(given)}")
-        if args.heartbeat_timeout < 1:
-            parser.error(f"--heartbeat_timeout must be a positive number of seconds, got {args.heartbeat_timeout}")
         if not 0 <= args.process_id < args.num_processes:
             parser.error(f"--process_id must be in [0, --num_processes={args.num_processes}), got {args.process_id}")
         import jax  # noqa: PLC0415
@@ -143,7 +143,7 @@ def _init_distributed(args, parser: argparse.ArgumentParser) -> None:
     elif args.multihost == "auto" and any(k in os.environ for k in CLOUD_TPU_ENV):
         import jax  # noqa: PLC0415
 
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=args.heartbeat_timeout)
 
 
 def _cmd_train(args) -> int:
@@ -389,8 +389,8 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
         "--heartbeat_timeout",
         type=int,
         default=100,
-        help="seconds without a heartbeat before the coordinator declares a process dead (multi-process runs; "
-        "default 100, JAX's); raise it on hosts whose compiles can starve a process for longer",
+        help="seconds without a heartbeat before the coordinator declares a process dead (multi-process and Cloud "
+        "TPU runs; default 100, JAX's); raise it on hosts whose compiles can starve a process for longer",
     )
     p.add_argument(
         "--multihost",
