@@ -163,9 +163,12 @@ class DSA(MLA):
         Returns:
             ``y[B, T, D]`` and the probabilities ``[B, T, N, K]``.
         """
+        return self.attend_gathered(q_nope, q_rope, gather_keys(latents, indices), valid)
+
+    def attend_gathered(self, q_nope, q_rope, selected, valid) -> tuple[jax.Array, jax.Array]:
+        """:meth:`attend_selected` on the selected latents ``[B, T, K, C + R]`` themselves."""
         with jax.named_scope("sparse_attention"):
             C = self.cfg.mla.kv_lora_rank
-            selected = gather_keys(latents, indices)  # [B, T, K, C + R]
             c_sel, r_sel = selected[..., :C], selected[..., C:]
             q_lat = self.absorb_query(q_nope)  # [B, T, N, C]
             logits = jnp.einsum("BTNC,BTKC->BTNK", q_lat, c_sel, preferred_element_type=jnp.float32)

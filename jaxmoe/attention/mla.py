@@ -36,16 +36,16 @@ def causal_mask(q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
     return kv_positions[:, None, :] <= q_positions[:, :, None]
 
 
-def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """fp32 softmax over the last axis with masked entries at exactly zero probability.
+def masked_softmax(logits: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
+    """fp32 softmax over ``axis`` (the last by default) with masked entries at exactly zero probability.
 
     A fully masked row gives all zeros rather than NaN (padding in a cache can produce one).
     """
     logits = jnp.where(mask, logits.astype(jnp.float32), -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.max(logits, axis=axis, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     e = jnp.where(mask, jnp.exp(logits - jax.lax.stop_gradient(row_max)), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
+    denom = jnp.sum(e, axis=axis, keepdims=True)
     return e / jnp.where(denom > 0, denom, 1.0)
 
 

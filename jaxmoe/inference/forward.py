@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxmoe.attention.dsa_topk import index_scores
 from jaxmoe.attention.kda import KDAState
+from jaxmoe.attention.mla import masked_softmax, softmax_scale
 from jaxmoe.inference.cache import CacheSpec
 
 
@@ -92,6 +93,24 @@ def _read(pool: jax.Array, new: jax.Array, rows: Rows) -> jax.Array:
     return seen.at[jnp.arange(B)[:, None], at].set(new.astype(pool.dtype), mode="drop")
 
 
+def _read_selected(pool: jax.Array, new: jax.Array, rows: Rows, indices: jax.Array) -> jax.Array:
+    """``[B, T, K, W]``: what :func:`_read` holds at positions ``indices[B, T, K]``, read only there.
+
+    A position below the row's ``start`` comes from its page, one at or above it from ``new``.
+    (Past the row's new tokens the two differ, but no query sees those positions.) A DSA decode
+    step so reads its top-k latents, not every cached one: at a 1M-token context the latent
+    pages are ~4x the indexer keys that it must score all of.
+    """
+    G, P, W = pool.shape
+    B, M = rows.pages.shape
+    T = new.shape[1]
+    page = jnp.take_along_axis(rows.pages, jnp.clip(indices // P, 0, M - 1).reshape(B, -1), axis=1)
+    from_pages = pool.reshape(G * P, W)[page.reshape(indices.shape) * P + indices % P]
+    rel = indices - rows.start[:, None, None]  # [B, T, K] index into the new tokens
+    from_new = jax.vmap(lambda n, r: n[jnp.clip(r, 0, T - 1)])(new.astype(pool.dtype), rel)
+    return jnp.where((rel >= 0)[..., None], from_new, from_pages)
+
+
 def _kv_positions(seen: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(seen.shape[1], dtype=jnp.int32), seen.shape[:2])  # [B, S]
 
@@ -99,6 +118,63 @@ def _kv_positions(seen: jax.Array) -> jax.Array:
 def _latent(attn, x: jax.Array, pos: jax.Array) -> jax.Array:
     c_kv, k_rope = attn.latents(x, pos)
     return jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)  # [B, T, C + R]
+
+
+def decode_latent_attention(attn, x: jax.Array, rows: Rows, pool: jax.Array, new: jax.Array, q_latent=None):
+    """A decode group's absorbed attention (one new token a row) to its cached positions and itself.
+
+    The same attention as :meth:`MLA.attend_latent` over the row's pages with ``new`` laid over
+    (what the prefill group does), computed without building that overlay: the query scores the
+    pages' positions below ``start`` and its own latent in one softmax. Scores and the weighted sum
+    take the whole stored latent (``c_kv`` and rope key, width ``W = C + R``) against the query
+    ``[absorbed q_nope, q_rope]``, so the gathered ``[B, S, W]`` pages are never sliced or copied
+    again, and the scores are laid out key-major (``[B, S, N]``, softmax over the keys' axis), so
+    that XLA:CPU reads the latents in their stored layout instead of transposing all ``S`` positions
+    first. Measured on a 2-core host: the 64K-token decode step 0.31 s -> 0.19 s. (For a prefill
+    chunk the overlay is faster: its ``[T, S]`` scores would be copied by the split.)
+
+    Args:
+      attn: the layer's :class:`jaxmoe.attention.MLA` (or DSA in its dense warm-up).
+      x: ``[B, 1, D]`` normed layer input of the new tokens.
+      rows: the group.
+      pool: ``[G, P, W]`` the layer's latent pages.
+      new: ``[B, 1, W]`` the new tokens' latents.
+      q_latent: the q latent when the caller has it (DSA).
+
+    Returns:
+      ``y[B, 1, D]``.
+    """
+    G, P, W = pool.shape
+    B, M = rows.pages.shape
+    C = attn.cfg.mla.kv_lora_rank
+    with jax.named_scope("mla_decode"):
+        q_nope, q_rope = attn.queries(x, rows.positions(), q_latent)
+        q = jnp.concatenate([attn.absorb_query(q_nope), q_rope.astype(q_nope.dtype)], axis=-1)[:, 0]  # [B, N, W]
+        cached = pool[rows.pages].reshape(B, M * P, W)  # [B, S, W]
+        new = new.astype(pool.dtype)  # [B, 1, W]
+        scores = jnp.concatenate(
+            [
+                jnp.einsum("BSW,BNW->BSN", cached, q, preferred_element_type=jnp.float32),
+                jnp.einsum("BUW,BNW->BUN", new, q, preferred_element_type=jnp.float32),
+            ],
+            axis=1,
+        )  # [B, S + 1, N]
+        in_pages = jnp.arange(M * P, dtype=jnp.int32)[None, :] < rows.start[:, None]  # [B, S]
+        mask = jnp.concatenate([in_pages, rows.length[:, None] > 0], axis=1)  # [B, S + 1]
+        probs = masked_softmax(scores * softmax_scale(attn.cfg), mask[..., None], axis=1).astype(pool.dtype)
+        o = jnp.einsum("BSN,BSW->BNW", probs[:, : M * P], cached)  # [B, N, W]
+        o += probs[:, M * P, :, None] * new[:, 0, None, :]
+        return attn.output_from_latent(o[:, None, :, :C].astype(q_nope.dtype))
+
+
+def _latent_attention(attn, x: jax.Array, rows: Rows, pool: jax.Array, new: jax.Array, q_latent=None) -> jax.Array:
+    """Absorbed attention of the group's new tokens to the row's pages and to each other."""
+    if x.shape[1] == 1:
+        return decode_latent_attention(attn, x, rows, pool, new, q_latent)
+    pos = rows.positions()
+    seen = _read(pool, new, rows)
+    C = attn.cfg.mla.kv_lora_rank
+    return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(seen))
 
 
 def mla_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -113,11 +189,8 @@ def mla_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array) -> tuple[jax.Array
     Returns:
       ``y[B, T, D]`` and the new tokens' latents ``[B, T, W]`` (for :func:`write`).
     """
-    pos = rows.positions()
-    new = _latent(attn, x, pos)
-    seen = _read(pool, new, rows)
-    C = attn.cfg.mla.kv_lora_rank
-    return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], _kv_positions(seen)), new
+    new = _latent(attn, x, rows.positions())
+    return _latent_attention(attn, x, rows, pool, new), new
 
 
 def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Array):
@@ -130,21 +203,19 @@ def dsa_rows(attn, x: jax.Array, rows: Rows, pool: jax.Array, index_pool: jax.Ar
     q_latent = attn.query_latent(x)
     new_keys = attn.indexer.keys(x, pos)  # stored in the dense warm-up too: the sparse stage reads them
     new = _latent(attn, x, pos)
-    seen = _read(pool, new, rows)
-    kv_pos = _kv_positions(seen)
     if attn.dense_attention:
-        C = attn.cfg.mla.kv_lora_rank
-        return attn.attend_latent(x, pos, seen[..., :C], seen[..., C:], kv_pos), new, new_keys
+        return _latent_attention(attn, x, rows, pool, new, q_latent), new, new_keys
     with jax.named_scope("indexer"):
         q_index, w_index = attn.indexer.query_terms(x, q_latent, pos)
         keys = _read(index_pool, new_keys, rows)
+        kv_pos = _kv_positions(keys)
     with jax.named_scope("indexer_topk"):
         scores = index_scores(q_index, w_index, keys, pos, kv_pos)  # [B, T, S]
         K = min(attn.cfg.indexer.topk, scores.shape[-1])
         _, indices = jax.lax.top_k(scores, K)  # ties: lowest position first, as the reference
         valid = indices <= pos[:, :, None]
     q_nope, q_rope = attn.queries(x, pos, q_latent)
-    y, _ = attn.attend_selected(q_nope, q_rope, seen, indices, valid)
+    y, _ = attn.attend_gathered(q_nope, q_rope, _read_selected(pool, new, rows, indices), valid)
     return y, new, new_keys
 
 

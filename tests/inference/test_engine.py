@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from inference_helpers import full_forward, inference_model_config, small_engine
 
 from jaxmoe.config import load_config
 from jaxmoe.inference import Request, SamplingParams
-from jaxmoe.inference.engine import _step_jit
+from jaxmoe.inference.engine import _step_jit, step_key
 from jaxmoe.inference.programs import Shape
 from jaxmoe.model import create_model
 
@@ -282,6 +283,17 @@ def test_step_compiles_for_buckets_not_requests(model):
     assert first - start < len(lengths)  # shapes come from buckets, not from each request's length
     small_engine(model).generate([Request(tuple(rng.integers(0, VOCAB, n).tolist()), max_tokens=3) for n in lengths])
     assert _step_jit._cache_size() == first  # other requests, the same buckets: no new program
+
+
+def test_step_key_is_interned_and_never_rehashes_the_graphdef(model, monkeypatch):
+    """JAX hashes the step's static argument on every call: the key hashes the graphdef once."""
+    spec = small_engine(model).spec
+    key = step_key(nnx.split(model)[0], spec)
+    assert step_key(nnx.split(model)[0], spec) is key  # an equal graphdef of another split: the same key
+    calls = []
+    graphdef_type = type(key.graphdef)
+    monkeypatch.setattr(graphdef_type, "__hash__", lambda self: calls.append(1) or 0)
+    assert hash(key) == hash(key) and calls == []
 
 
 def test_past_max_programs_the_programs_are_dropped_and_outputs_do_not_change(model, prompts):
