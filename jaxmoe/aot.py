@@ -141,8 +141,8 @@ def lower_decode(cfg: Config, mesh: jax.sharding.Mesh, serving: Serving):
     from jaxmoe.config import MXFP4_WEIGHTS, validate  # noqa: PLC0415
     from jaxmoe.inference.allocator import pages_for  # noqa: PLC0415
     from jaxmoe.inference.cache import CacheSpec  # noqa: PLC0415
-    from jaxmoe.inference.engine import _step_jit, step_key  # noqa: PLC0415
-    from jaxmoe.inference.programs import Shape, abstract_inputs  # noqa: PLC0415
+    from jaxmoe.inference.engine import _step_jit  # noqa: PLC0415
+    from jaxmoe.inference.programs import Shape, abstract_inputs, step_key  # noqa: PLC0415
     from jaxmoe.model import abstract_model  # noqa: PLC0415
     from jaxmoe.sharding import state_shardings  # noqa: PLC0415
 

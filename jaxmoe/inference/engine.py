@@ -34,7 +34,7 @@ from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maint
 from jaxmoe.inference.forward import Rows, forward, last_hidden, write
 from jaxmoe.inference.images import ImageFeatures
 from jaxmoe.inference.multihost import Work, broadcast
-from jaxmoe.inference.programs import Programs, Shape, abstract_inputs, shape_of
+from jaxmoe.inference.programs import Programs, Shape, StepKey, abstract_inputs, shape_of, step_key
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
 from jaxmoe.sharding import state_shardings
@@ -138,41 +138,6 @@ def _bucket(n: int, minimum: int = 1) -> int:
     """The power of two at or above ``max(n, minimum)``."""
     n = max(n, minimum)
     return 1 << (n - 1).bit_length()
-
-
-class StepKey:
-    """The jitted step's static argument: the model's graphdef and the pools' spec, hashed once.
-
-    JAX hashes static arguments on every call, and hashing a model's graphdef walks its whole
-    tree (~10 ms a step for the 4-layer benchmark model on a 2-core host, a third of a decode
-    step). Keys are interned (:func:`step_key`), so engines of the same model share compiled
-    programs and a lookup compares by identity.
-    """
-
-    __slots__ = ("graphdef", "spec", "_hash")
-
-    def __init__(self, graphdef, spec: CacheSpec):
-        self.graphdef, self.spec = graphdef, spec
-        self._hash = hash((graphdef, spec))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (
-            isinstance(other, StepKey)
-            and self._hash == other._hash
-            and (self.graphdef, self.spec) == (other.graphdef, other.spec)
-        )
-
-
-_STEP_KEYS: dict[StepKey, StepKey] = {}
-
-
-def step_key(graphdef, spec: CacheSpec) -> StepKey:
-    """The interned :class:`StepKey` of ``(graphdef, spec)``."""
-    key = StepKey(graphdef, spec)
-    return _STEP_KEYS.setdefault(key, key)
 
 
 def _step(key: StepKey, all_logits: bool, state, cache, groups, sampling):

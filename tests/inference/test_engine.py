@@ -15,8 +15,8 @@ from inference_helpers import full_forward, inference_model_config, small_engine
 
 from jaxmoe.config import load_config
 from jaxmoe.inference import Request, SamplingParams
-from jaxmoe.inference.engine import _step_jit, step_key
-from jaxmoe.inference.programs import Shape
+from jaxmoe.inference.engine import _step_jit
+from jaxmoe.inference.programs import Shape, step_key
 from jaxmoe.model import create_model
 
 VOCAB = 512
