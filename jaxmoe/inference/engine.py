@@ -141,9 +141,8 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 
 def _step(key: StepKey, all_logits: bool, state, cache, groups, sampling):
-    spec = key.spec
     model = nnx.merge(key.graphdef, state)
-    hidden, writes = forward(model, spec, cache, groups)
+    hidden, writes = forward(model, key.spec, cache, groups)
     last = jnp.concatenate([last_hidden(h, g) for h, g in zip(hidden, groups)], axis=0)  # [B, D]
     tokens, logprobs = sample(model.head(last), sampling)
     if not jax.sharding.get_abstract_mesh().empty:  # every process reads its own full copy

@@ -70,12 +70,16 @@ class Rows(NamedTuple):
         return jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None] < self.length[:, None]
 
 
+def _pool_rows(pages: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """The flat pool rows (``page * P + offset``) of ``positions[B, ...]`` through the page tables ``pages[B, M]``."""
+    B, M = pages.shape
+    page = jnp.take_along_axis(pages, jnp.clip(positions // page_size, 0, M - 1).reshape(B, -1), axis=1)
+    return page.reshape(positions.shape) * page_size + positions % page_size
+
+
 def _write_rows(rows: Rows, page_size: int, num_pages: int) -> jax.Array:
     """``[B, T]`` flat pool rows the new tokens are written to; ``G * P`` (dropped) for padding."""
-    pos = rows.positions()
-    M = rows.pages.shape[1]
-    page = jnp.take_along_axis(rows.pages, jnp.clip(pos // page_size, 0, M - 1), axis=1)
-    flat = page * page_size + pos % page_size
+    flat = _pool_rows(rows.pages, rows.positions(), page_size)
     return jnp.where(rows.valid(), flat, num_pages * page_size)
 
 
@@ -102,10 +106,8 @@ def _read_selected(pool: jax.Array, new: jax.Array, rows: Rows, indices: jax.Arr
     pages are ~4x the indexer keys that it must score all of.
     """
     G, P, W = pool.shape
-    B, M = rows.pages.shape
     T = new.shape[1]
-    page = jnp.take_along_axis(rows.pages, jnp.clip(indices // P, 0, M - 1).reshape(B, -1), axis=1)
-    from_pages = pool.reshape(G * P, W)[page.reshape(indices.shape) * P + indices % P]
+    from_pages = pool.reshape(G * P, W)[_pool_rows(rows.pages, indices, P)]
     rel = indices - rows.start[:, None, None]  # [B, T, K] index into the new tokens
     from_new = jax.vmap(lambda n, r: n[jnp.clip(r, 0, T - 1)])(new.astype(pool.dtype), rel)
     return jnp.where((rel >= 0)[..., None], from_new, from_pages)
@@ -130,8 +132,9 @@ def decode_latent_attention(attn, x: jax.Array, rows: Rows, pool: jax.Array, new
     ``[absorbed q_nope, q_rope]``, so the gathered ``[B, S, W]`` pages are never sliced or copied
     again, and the scores are laid out key-major (``[B, S, N]``, softmax over the keys' axis), so
     that XLA:CPU reads the latents in their stored layout instead of transposing all ``S`` positions
-    first. Measured on a 2-core host: the 64K-token decode step 0.31 s -> 0.19 s. (For a prefill
-    chunk the overlay is faster: its ``[T, S]`` scores would be copied by the split.)
+    first. Measured on a 2-core host (benchmarks/decode.py): the 64K-token decode step 0.265 s ->
+    0.152 s. (For a prefill chunk the overlay is faster: its ``[T, S]`` scores would be copied by
+    the split.)
 
     Args:
       attn: the layer's :class:`jaxmoe.attention.MLA` (or DSA in its dense warm-up).
