@@ -14,8 +14,9 @@ the official ``openai`` client (async):
   whole history plus a new ~50-token user message): time to first token of turn 5 over turn 1
   (prefix reuse; goal <= 1.0 although turn 5 has ~5x the history).
 
-Every scenario runs twice and the second run is reported (the first compiles the engine step for
-the shape buckets it reaches).
+It measures once the server has compiled the step covers of its start (``--warmup-context``,
+``/health`` reports ``compiling: 0``). Every scenario runs twice and the second run is reported
+(the first compiles the engine step for the shape buckets it reaches most).
 
 Run it alone on the machine (no tests, no helpers): it measures wall time.
 """
@@ -66,7 +67,8 @@ def _start(checkpoint: str, workdir: pathlib.Path) -> tuple[subprocess.Popen, st
         if proc.poll() is not None:
             raise SystemExit(f"jaxmoe serve exited: {(workdir / 'server.log').read_text()[-3000:]}")
         try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
+            health = httpx.get(base + "/health", timeout=2)
+            if health.status_code == 200 and health.json()["compiling"] == 0:  # its start's step covers built
                 return proc, base
         except httpx.HTTPError:
             pass

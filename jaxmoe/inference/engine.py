@@ -34,7 +34,7 @@ from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maint
 from jaxmoe.inference.forward import Rows, forward, last_hidden, write
 from jaxmoe.inference.images import ImageFeatures
 from jaxmoe.inference.multihost import Work, broadcast
-from jaxmoe.inference.programs import Programs, Shape, StepKey, abstract_inputs, shape_of, step_key
+from jaxmoe.inference.programs import Programs, Shape, StepKey, abstract_inputs, shape_of, step_key, warm_shapes
 from jaxmoe.inference.sampler import RowSampling, sample
 from jaxmoe.inference.scheduler import Plan, Request, Scheduler, Sequence
 from jaxmoe.sharding import state_shardings
@@ -209,7 +209,7 @@ class Engine:
         # prefill_tokens: positions computed below a sequence's length at admission (prompt, or a
         # preempted sequence's prompt + output again); decode_tokens: the rest; cached_tokens: taken
         # from prefix entries instead of computed.
-        # padded_steps: steps run on a covering shape while their own program compiled.
+        # padded_steps: steps run on a covering shape (compile_in_background).
         self.stats = {
             "steps": 0,
             "prefill_tokens": 0,
@@ -217,6 +217,7 @@ class Engine:
             "cached_tokens": 0,
             "padded_steps": 0,
             "program_evictions": 0,
+            "compiles_on_the_spot": 0,  # steps that compiled their program before they ran
             "image_encodes": 0,
         }
         self.images = ImageFeatures(model.cfg.vision, model.cfg.d_model, config.image_cache)
@@ -374,12 +375,22 @@ class Engine:
         self.programs.forget()
         self.stats["program_evictions"] += 1
 
+    def warm_up(self, context: int) -> list[Shape]:
+        """With ``compile_in_background``: queues for the compiler thread covers of every step up to
+        ``context`` positions (:func:`warm_shapes`), so that none compiles on the spot. Returns them."""
+        c, top = self.config, _bucket(pages_for(max(context, 1), self.config.page_size), MIN_PAGES)
+        floors = {M: self._decode_floor(M) for M in (MIN_PAGES << k for k in range((top // MIN_PAGES).bit_length()))}
+        chunk = _bucket(min(c.chunk_size, c.step_tokens), minimum=8)
+        shapes = warm_shapes(_bucket(c.max_seqs), chunk, floors, self.cfg.vision is not None) if context > 0 else []
+        return self.programs.warm(shapes)
+
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""
         shape = shape_of(groups, sampling)
         program = None if all_logits else self.programs.program(shape)
         if program is None and not all_logits and shape not in self.programs.known:
             self._make_room()
+            self.stats["compiles_on_the_spot"] += 1
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             if program is not None:
                 step, store = program
@@ -411,8 +422,7 @@ class Engine:
         # chunk, width), not per width of each group as well.
         c = self.config
         M = _bucket(pages_for(max(c.min_context, *(s.computed + n for s, n in plan.rows)), c.page_size), MIN_PAGES)
-        floor = min(MAX_DECODE_FLOOR, c.max_seqs, max(1, PADDED_ROW_PAGES // M))
-        floor = max(floor, min(c.min_decode_rows, c.max_seqs))
+        floor = self._decode_floor(M)
         shape = self.programs.choose(
             Shape(
                 decode_rows=_bucket(len(decode), floor) if decode else 0,
@@ -435,6 +445,10 @@ class Engine:
                 if seq is not None and seq.id in masks:
                     mask[b] = masks[seq.id]
         return tuple(groups), _sampling(order, mask), order
+
+    def _decode_floor(self, pages: int) -> int:
+        c, floor = self.config, min(MAX_DECODE_FLOOR, self.config.max_seqs, max(1, PADDED_ROW_PAGES // pages))
+        return max(floor, min(c.min_decode_rows, c.max_seqs))
 
     def _masks(self, plan: Plan) -> dict[int, np.ndarray]:
         """``{sequence id: [V] allowed tokens}`` of the restricted rows that sample in this step: by

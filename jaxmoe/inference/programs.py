@@ -11,6 +11,14 @@ covering shape the step compiles on the spot, as it does with ``background`` off
 the engine, and always on a mesh: there the pools take the layout XLA gives the first write's
 output, and every process of a multi-process run must run the same program in the same step).
 
+Not every shape met is worth a program. Which shapes a server meets depends on how requests
+arrive between steps (a prompt admitted beside 3 decoding rows or beside 5), so most of them are
+met a few times and never again, and each compile takes a core from the running steps for
+seconds. A shape is compiled once it has been met ``compile_after`` times, or at once when its
+cheapest cover does more than ``max_padding`` times its work (:meth:`Shape.cost`); until then it
+runs on the cover. :meth:`Programs.warm` compiles covers ahead of any request (a server's start),
+so that no step has to compile on the spot.
+
 Padding is exact in arithmetic but not in floating-point rounding: a padded step's logits may
 differ from the exact program's in the last bits, so greedy outputs can differ where two tokens
 tie to rounding. Runs that must be bit-reproducible leave ``background`` off.
@@ -19,7 +27,6 @@ tie to rounding. Runs that must be bit-reproducible leave ``background`` off.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -144,32 +151,67 @@ def abstract_inputs(shape: Shape, vocab_size: int, d_model: int = 0) -> tuple[tu
     return tuple(groups), sampling
 
 
+def warm_shapes(max_rows: int, max_chunk: int, floors: dict[int, int], images: bool) -> list[Shape]:
+    """Covers of every step with at most ``max_rows`` rows in each group (bucketed), prefill chunks
+    of at most ``max_chunk`` tokens and a page-table width among ``floors`` (``{width: the decode
+    group's floor of rows}``), all masked (a mask of all ones changes nothing). Per width: a quiet
+    server's steps (the smallest decode group, one prompt's chunk alone), one prompt joining a full
+    decode group (a busy server's admissions), and a step with every row in both groups, which
+    covers all the others; then, per width, the largest decode group (a busy server's decode
+    steps, which the previous ones cover at the cost of their prefill rows)."""
+    first = []
+    for M, floor in floors.items():
+        first += [
+            (floor, 0, 0, M),
+            (0, 1, max_chunk, M),
+            (max_rows, 1, max_chunk, M),
+            (max_rows, max_rows, max_chunk, M),
+        ]
+    then = [(max_rows, 0, 0, M) for M in floors]
+    return [Shape(*dims, masked=True, images=images) for dims in dict.fromkeys(first + then)]
+
+
 class Programs:
     """The shapes an engine has compiled, and the compiler thread.
+
+    The compiler thread takes first the :meth:`warm` covers, in order, then the shape whose steps
+    have so far done the most padded work.
 
     Args:
       compile: ``Shape -> program``, the ahead-of-time compile of one shape's step (run on the
         compiler thread).
       background: compile new shapes on the compiler thread while steps run on covering shapes.
+      compile_after: steps of a shape run on a cover before its own program is compiled.
+      max_padding: a shape whose cheapest cover costs more than this many times its own work is
+        compiled at once.
     """
 
-    def __init__(self, compile: Callable[[Shape], Any], background: bool):
+    def __init__(
+        self, compile: Callable[[Shape], Any], background: bool, compile_after: int = 4, max_padding: float = 2.0
+    ):
+        if compile_after < 1 or not max_padding >= 1:
+            raise ValueError(f"compile_after must be >= 1 and max_padding >= 1, got {compile_after}, {max_padding}")
         self._compile = compile
         self.background = background
+        self.compile_after, self.max_padding = compile_after, max_padding
+        self._met: dict[Shape, tuple[int, int]] = {}  # per shape not compiled: steps run on a cover, work padded
+        self._warm: list[Shape] = []  # compiled ahead of any step (again after forget)
         self.known: set[Shape] = set()  # compiled by the step's jit (on the engine thread)
         self.ready: dict[Shape, Any] = {}  # compiled ahead of time (on the compiler thread)
-        self.pending: set[Shape] = set()
+        self.pending: set[Shape] = set()  # queued or compiling
+        self._queued: dict[Shape, float] = {}  # queued: the compiler thread takes the highest first
         self.failed: set[Shape] = set()  # the compiler thread failed: the step compiles (and raises) itself
-        self.padded_steps = 0  # steps run on a covering shape while their own compiled
+        self.padded_steps = 0  # steps run on a covering shape
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Shape] = queue.Queue()
         self._idle = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
     def choose(self, want: Shape) -> Shape:
         """The shape to run a step of shape ``want`` on: ``want`` itself once it is compiled (or
-        when nothing compiled covers it), else the cheapest compiled shape that covers it, and
-        ``want`` is queued for the compiler thread."""
+        when nothing compiled covers it), else the cheapest compiled shape that covers it; ``want``
+        is queued for the compiler thread once met ``compile_after`` times, or at once when that
+        cover costs over ``max_padding`` times its work."""
         if not self.background or want in self.known or want in self.failed:
             return want
         with self._lock:
@@ -178,23 +220,56 @@ class Programs:
             covering = [s for s in (*self.known, *self.ready) if s.covers(want)]
             if not covering:
                 return want
-            if want not in self.pending:
-                self.pending.add(want)
-                self._queue.put(want)
-                self._start()
+            cover = min(covering, key=Shape.cost)
+            met, padded = self._met.get(want, (0, 0))
+            met, padded = self._met[want] = met + 1, padded + cover.cost() - want.cost()
+            if want in self._queued:  # (a warm cover keeps its place ahead)
+                self._queued[want] = max(self._queued[want], padded)
+            elif met >= self.compile_after or cover.cost() > self.max_padding * want.cost():
+                self._enqueue(want, padded)
         self.padded_steps += 1
-        return min(covering, key=Shape.cost)
+        return cover
+
+    def warm(self, shapes: list[Shape]) -> list[Shape]:
+        """Queues ``shapes`` for the compiler thread (those not compiled or queued yet): covers for
+        the steps to come, compiled before any step needs them. Returns the shapes queued or held."""
+        if not self.background:
+            return []
+        with self._lock:
+            self._warm = list(shapes)
+            self._enqueue_warm()
+        return self._warm
+
+    def _enqueue_warm(self) -> None:  # under the lock; ahead of every other shape, in their order
+        for shape in self._warm:
+            if shape not in self.known and shape not in self.ready:
+                self._enqueue(shape, float("inf"))
+
+    def _enqueue(self, shape: Shape, priority: float) -> None:  # under the lock
+        if shape not in self.pending:
+            self.pending.add(shape)
+            self._queued[shape] = priority
+            self._work.notify()
+            self._start()
 
     def count(self) -> int:
         """Programs held: compiled by the step's jit, ahead of time, or compiling now."""
         with self._lock:
             return len(self.known) + len(self.ready) + len(self.pending)
 
+    def compiling(self) -> int:
+        """Shapes queued for or compiling on the compiler thread."""
+        with self._lock:
+            return len(self.pending)
+
     def forget(self) -> None:
-        """Drops every compiled program (the caller cleared the step's jit cache); pending ones stay."""
+        """Drops every compiled program (the caller cleared the step's jit cache); pending ones stay,
+        and the :meth:`warm` covers are queued again."""
         with self._lock:
             self.known.clear()
             self.ready.clear()
+            self._met.clear()
+            self._enqueue_warm()
 
     def program(self, shape: Shape):
         """The ahead-of-time program of ``shape``, or None (the step's jit compiles or has it)."""
@@ -214,7 +289,10 @@ class Programs:
 
     def _loop(self) -> None:
         while True:
-            shape = self._queue.get()
+            with self._work:
+                self._work.wait_for(lambda: self._queued)
+                shape = max(self._queued, key=self._queued.__getitem__)  # the first of equals: warm ones in order
+                del self._queued[shape]
             program = None
             try:
                 program = self._compile(shape)

@@ -44,6 +44,7 @@ class ServeConfig:
     page_size: int = 16
     step_tokens: int = 256
     chunk_size: int = 128
+    warmup_context: int = 8192
     image_limits: ImageLimits = ImageLimits()
 
 
@@ -77,7 +78,8 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = service.runner.healthy
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        body = {"status": "ok" if alive else "engine stopped", "compiling": service.runner.engine.programs.compiling()}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -140,8 +142,10 @@ def build_service(checkpoint: str | pathlib.Path, config: ServeConfig) -> Servic
         step_tokens=max(config.step_tokens, max_seqs),
         chunk_size=config.chunk_size,
         compile_in_background=True,  # a new shape runs padded to a compiled one instead of stalling every request
+        max_programs=96,  # the --warmup-context covers (4 a page-table width) and the shapes met most
     )
     engine = Engine(model, engine_config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode)
+    engine.warm_up(min(config.warmup_context, cfg.model.max_context))  # in the background, while requests run
     metrics = Metrics(TIERS)
     runner = EngineRunner(engine, on_step=_page_metrics(metrics))
     _page_metrics(metrics)(engine)

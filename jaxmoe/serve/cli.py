@@ -44,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-size", type=int, default=128, help="most prompt tokens of a sequence per step (default 128)"
     )
+    p.add_argument(
+        "--warmup-context",
+        type=int,
+        default=8192,
+        help="positions up to which the engine compiles covers of every step shape at start, in the "
+        "background, so that no request waits for a compile (0: none; default 8192)",
+    )
     from jaxmoe.vision.preprocess import ImageLimits  # noqa: PLC0415 (jax behind it: keep --help fast)
 
     limits = ImageLimits()
@@ -75,9 +82,10 @@ def config_from_args(args):
     from jaxmoe.vision.preprocess import ImageLimits  # noqa: PLC0415
 
     error = args.parser.error
-    for flag in ("max_queue", "page_size", "step_tokens", "chunk_size"):
-        if getattr(args, flag) < (0 if flag == "max_queue" else 1):
-            error(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'max_queue' else 1}, got {getattr(args, flag)}")
+    for flag in ("max_queue", "page_size", "step_tokens", "chunk_size", "warmup_context"):
+        least = 0 if flag in ("max_queue", "warmup_context") else 1
+        if getattr(args, flag) < least:
+            error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     if not 0 <= args.port < 65536:
         error(f"--port must be in [0, 65536), got {args.port}")
     if not args.cache_gb > 0:
@@ -109,6 +117,7 @@ def config_from_args(args):
         page_size=args.page_size,
         step_tokens=args.step_tokens,
         chunk_size=args.chunk_size,
+        warmup_context=args.warmup_context,
         image_limits=image_limits,
     )
 

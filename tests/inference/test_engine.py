@@ -358,3 +358,23 @@ def test_a_new_shape_runs_padded_while_it_compiles(model, prompts):
     again = engine.generate([Request(prompts[0], max_tokens=6)])[0]  # its own program now (ahead-of-time compiled)
     assert engine.stats["padded_steps"] == padded and again.output_ids == ids
     np.testing.assert_allclose(again.logprobs, logprobs, atol=1e-4)
+
+
+def test_after_warm_up_no_step_compiles_on_the_spot(model, prompts):
+    """warm_up(context) compiles covers of every step up to ``context`` positions on the compiler
+    thread: afterwards a batch of mixed prompts runs without compiling a program on the spot, and
+    its tokens are the reference's."""
+    engine = small_engine(model, compile_in_background=True)
+    assert engine.warm_up(0) == []
+    covers = engine.warm_up(64)  # 8 pages of 8 positions: one page-table width
+    assert {s.pages for s in covers} == {8} and all(s.masked for s in covers)
+    assert max(s.decode_rows for s in covers) == 4 and max(s.chunk for s in covers) == 16
+    engine.programs.wait()
+    assert set(covers) <= set(engine.programs.ready)
+    lengths = [3, 17, 29, 8]
+    outs = engine.generate([Request(p, max_tokens=40 - n) for p, n in zip(prompts, lengths, strict=False)])
+    assert engine.stats["compiles_on_the_spot"] == 0 and engine.stats["padded_steps"] > 0
+    for p, n, o in zip(prompts, lengths, outs, strict=False):
+        ids, logprobs = _full_forward_greedy(model, p, 40 - n)
+        assert o.output_ids == ids
+        np.testing.assert_allclose(o.logprobs, logprobs, atol=1e-4)

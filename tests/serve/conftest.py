@@ -63,6 +63,7 @@ def start_server(workdir, tmp_path: pathlib.Path, *extra: str, scheme: str = "ht
         "--thinking-budgets", ",".join(f"{t}={n}" for t, n in BUDGETS.items()),
         "--tier-slots", ",".join(f"{t}={n}" for t, n in SLOTS.items()), "--max-queue", str(MAX_QUEUE),
         "--cache-gb", "0.02", "--page-size", "8", "--step-tokens", "64", "--chunk-size", "32",
+        "--warmup-context", "64",
         "--request-timeout", "120", "--log-level", "warning", *extra,
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

@@ -13,7 +13,7 @@ RESULTS = ['{"temp": 21}', '{"temp": 19, "rain": true}']
 
 @pytest.fixture(scope="module")
 def service(run):
-    return build_service(run.workdir, ServeConfig(model_name=MODEL, cache_bytes=1 << 22, page_size=8))
+    return build_service(run.workdir, ServeConfig(model_name=MODEL, cache_bytes=1 << 22, page_size=8, warmup_context=0))
 
 
 def _openai_history():

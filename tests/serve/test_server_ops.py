@@ -39,7 +39,26 @@ def test_every_protected_route_needs_a_key(server, method, path, body, style):
 
 
 def test_health_needs_no_key(server):
-    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    r = httpx.get(server.base_url + "/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert isinstance(r.json()["compiling"], int) and r.json()["compiling"] >= 0  # step programs queued
+
+
+@pytest.mark.parametrize("value, ok", [("-1", False), ("0", True), ("4096", True)])
+def test_warmup_context_flag(value, ok):
+    import argparse  # noqa: PLC0415
+
+    from jaxmoe.serve.cli import add_arguments, config_from_args  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--checkpoint", "x", "--warmup-context", value])
+    args.parser = parser
+    if ok:
+        assert config_from_args(args).warmup_context == int(value)
+    else:
+        with pytest.raises(SystemExit):
+            config_from_args(args)
 
 
 @pytest.mark.parametrize(
