@@ -160,12 +160,14 @@ def _maintain(cache, zero_pages, zero_slots, copy_pages, copy_slots):
 def maintenance(spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages=(), copy_slots=()) -> tuple:
     """Host arrays for :func:`maintain`: freed pages and slots to zero, ``(src, dst)`` pages and slots to copy.
 
-    Lists are padded to powers of two of at least 8 with out-of-range ids (dropped), so the
-    program compiles for a handful of sizes only (a step rarely frees or copies more than 8).
+    Every list is padded with out-of-range ids (dropped) to one size, the power of two (at least
+    8) at or above the longest, so the program compiles for a handful of sizes only, one for each
+    (:func:`warm_maintenance` compiles them ahead).
     """
+    longest = max(len(zero_pages), len(zero_slots), len(copy_pages), len(copy_slots), 1)
+    n = max(8, 1 << (longest - 1).bit_length())
 
     def ids(values, limit):
-        n = max(8, 1 << max(0, (len(values) - 1)).bit_length())
         out = np.full((n,), limit, np.int32)
         out[: len(values)] = values
         return out
@@ -179,6 +181,19 @@ def maintenance(spec: CacheSpec, *, zero_pages=(), zero_slots=(), copy_pages=(),
         ids([s for s, _ in copy_slots], Z),
         ids([d for _, d in copy_slots], Z),
     )
+
+
+def warm_maintenance(cache, spec: CacheSpec, pages: int):
+    """Runs :func:`maintain` with nothing to do for each list size up to ``pages`` (what one
+    sequence frees), so that its programs compile before any step needs them; returns the cache,
+    committed to its devices as a step's outputs are (jit compiles again for uncommitted arrays)."""
+    cache = jax.device_put(cache, jax.tree.map(lambda a: a.sharding, cache))
+    n = 8
+    while True:
+        cache = maintain(cache, maintenance(spec, zero_pages=[spec.num_pages] * n))
+        if n >= pages:
+            return cache
+        n *= 2
 
 
 def maintain(cache, arrays: tuple):

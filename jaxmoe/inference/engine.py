@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.inference.allocator import pages_for
-from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maintenance
+from jaxmoe.inference.cache import DEFAULT_PAGE_SIZE, CacheSpec, maintain, maintenance, warm_maintenance
 from jaxmoe.inference.forward import Rows, forward, last_hidden, write
 from jaxmoe.inference.images import ImageFeatures
 from jaxmoe.inference.multihost import Work, broadcast
@@ -209,17 +209,10 @@ class Engine:
         # prefill_tokens: positions computed below a sequence's length at admission (prompt, or a
         # preempted sequence's prompt + output again); decode_tokens: the rest; cached_tokens: taken
         # from prefix entries instead of computed.
-        # padded_steps: steps run on a covering shape (compile_in_background).
-        self.stats = {
-            "steps": 0,
-            "prefill_tokens": 0,
-            "decode_tokens": 0,
-            "cached_tokens": 0,
-            "padded_steps": 0,
-            "program_evictions": 0,
-            "compiles_on_the_spot": 0,  # steps that compiled their program before they ran
-            "image_encodes": 0,
-        }
+        # padded_steps: steps run on a covering shape (compile_in_background); compiles_on_the_spot:
+        # steps that compiled their own program before they ran.
+        names = ("steps", "prefill_tokens", "decode_tokens", "cached_tokens", "padded_steps", "program_evictions")
+        self.stats = dict.fromkeys((*names, "compiles_on_the_spot", "image_encodes"), 0)
         self.images = ImageFeatures(model.cfg.vision, model.cfg.d_model, config.image_cache)
 
     # ------------------------------------------------------------------------------------
@@ -376,13 +369,16 @@ class Engine:
         self.stats["program_evictions"] += 1
 
     def warm_up(self, context: int) -> list[Shape]:
-        """With ``compile_in_background``: queues for the compiler thread covers of every step up to
-        ``context`` positions (:func:`warm_shapes`), so that none compiles on the spot. Returns them."""
-        c, top = self.config, _bucket(pages_for(max(context, 1), self.config.page_size), MIN_PAGES)
+        """With ``compile_in_background``, before any step: compiles the pools' maintenance and queues
+        for the compiler thread covers of every step up to ``context`` positions (:func:`warm_shapes`),
+        so that none compiles on the spot. Returns the covers."""
+        if context <= 0 or not self.programs.background:
+            return []
+        c, top = self.config, _bucket(pages_for(context, self.config.page_size), MIN_PAGES)
         floors = {M: self._decode_floor(M) for M in (MIN_PAGES << k for k in range((top // MIN_PAGES).bit_length()))}
+        self.cache = warm_maintenance(self.cache, self.spec, top)
         chunk = _bucket(min(c.chunk_size, c.step_tokens), minimum=8)
-        shapes = warm_shapes(_bucket(c.max_seqs), chunk, floors, self.cfg.vision is not None) if context > 0 else []
-        return self.programs.warm(shapes)
+        return self.programs.warm(warm_shapes(_bucket(c.max_seqs), chunk, floors, self.cfg.vision is not None))
 
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""

@@ -15,6 +15,7 @@ from inference_helpers import full_forward, inference_model_config, small_engine
 
 from jaxmoe.config import load_config
 from jaxmoe.inference import Request, SamplingParams
+from jaxmoe.inference.cache import _maintain
 from jaxmoe.inference.engine import _step_jit
 from jaxmoe.inference.programs import Shape, step_key
 from jaxmoe.model import create_model
@@ -362,11 +363,13 @@ def test_a_new_shape_runs_padded_while_it_compiles(model, prompts):
 
 def test_after_warm_up_no_step_compiles_on_the_spot(model, prompts):
     """warm_up(context) compiles covers of every step up to ``context`` positions on the compiler
-    thread: afterwards a batch of mixed prompts runs without compiling a program on the spot, and
-    its tokens are the reference's."""
+    thread, and the pools' maintenance: afterwards a batch of mixed prompts runs without compiling
+    a program on the spot, and its tokens are the reference's."""
+    assert small_engine(model).warm_up(64) == []  # compiling before each step: nothing to warm
     engine = small_engine(model, compile_in_background=True)
     assert engine.warm_up(0) == []
     covers = engine.warm_up(64)  # 8 pages of 8 positions: one page-table width
+    maintenance_programs = _maintain._cache_size()
     assert {s.pages for s in covers} == {8} and all(s.masked for s in covers)
     assert max(s.decode_rows for s in covers) == 4 and max(s.chunk for s in covers) == 16
     engine.programs.wait()
@@ -374,6 +377,7 @@ def test_after_warm_up_no_step_compiles_on_the_spot(model, prompts):
     lengths = [3, 17, 29, 8]
     outs = engine.generate([Request(p, max_tokens=40 - n) for p, n in zip(prompts, lengths, strict=False)])
     assert engine.stats["compiles_on_the_spot"] == 0 and engine.stats["padded_steps"] > 0
+    assert _maintain._cache_size() == maintenance_programs  # freeing the pages compiled nothing either
     for p, n, o in zip(prompts, lengths, outs, strict=False):
         ids, logprobs = _full_forward_greedy(model, p, 40 - n)
         assert o.output_ids == ids
