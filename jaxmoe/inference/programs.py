@@ -199,7 +199,7 @@ class Programs:
         self.known: set[Shape] = set()  # compiled by the step's jit (on the engine thread)
         self.ready: dict[Shape, Any] = {}  # compiled ahead of time (on the compiler thread)
         self.pending: set[Shape] = set()  # queued or compiling
-        self._queued: dict[Shape, float] = {}  # queued: the compiler thread takes the highest first
+        self._queued: dict[Shape, None] = {}  # in the order queued; the compiler thread takes by _priority
         self.failed: set[Shape] = set()  # the compiler thread failed: the step compiles (and raises) itself
         self.padded_steps = 0  # steps run on a covering shape
         self._lock = threading.Lock()
@@ -223,10 +223,8 @@ class Programs:
             cover = min(covering, key=Shape.cost)
             met, padded = self._met.get(want, (0, 0))
             met, padded = self._met[want] = met + 1, padded + cover.cost() - want.cost()
-            if want in self._queued:  # (a warm cover keeps its place ahead)
-                self._queued[want] = max(self._queued[want], padded)
-            elif met >= self.compile_after or cover.cost() > self.max_padding * want.cost():
-                self._enqueue(want, padded)
+            if met >= self.compile_after or cover.cost() > self.max_padding * want.cost():
+                self._enqueue(want)
         self.padded_steps += 1
         return cover
 
@@ -243,12 +241,12 @@ class Programs:
     def _enqueue_warm(self) -> None:  # under the lock; ahead of every other shape, in their order
         for shape in self._warm:
             if shape not in self.known and shape not in self.ready:
-                self._enqueue(shape, float("inf"))
+                self._enqueue(shape)
 
-    def _enqueue(self, shape: Shape, priority: float) -> None:  # under the lock
+    def _enqueue(self, shape: Shape) -> None:  # under the lock
         if shape not in self.pending:
             self.pending.add(shape)
-            self._queued[shape] = priority
+            self._queued[shape] = None
             self._work.notify()
             self._start()
 
@@ -287,11 +285,14 @@ class Programs:
             self._thread = threading.Thread(target=self._loop, name="jaxmoe-compile", daemon=True)
             self._thread.start()
 
+    def _priority(self, shape: Shape) -> float:  # under the lock
+        return float("inf") if shape in self._warm else self._met.get(shape, (0, 0))[1]
+
     def _loop(self) -> None:
         while True:
             with self._work:
                 self._work.wait_for(lambda: self._queued)
-                shape = max(self._queued, key=self._queued.__getitem__)  # the first of equals: warm ones in order
+                shape = max(self._queued, key=self._priority)  # the first of equals: warm ones in order
                 del self._queued[shape]
             program = None
             try:

@@ -142,7 +142,7 @@ def build_service(checkpoint: str | pathlib.Path, config: ServeConfig) -> Servic
         step_tokens=max(config.step_tokens, max_seqs),
         chunk_size=config.chunk_size,
         compile_in_background=True,  # a new shape runs padded to a compiled one instead of stalling every request
-        max_programs=96,  # the --warmup-context covers (4 a page-table width) and the shapes met most
+        max_programs=96,  # the --warmup-context covers (5 a page-table width) and the shapes met most
     )
     engine = Engine(model, engine_config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode)
     engine.warm_up(min(config.warmup_context, cfg.model.max_context))  # in the background, while requests run

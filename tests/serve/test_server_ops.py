@@ -1,11 +1,14 @@
 """Auth, overload, bad input, disconnects, metrics and TLS of the live server (plain HTTP and the SDKs)."""
 
+import argparse
 import asyncio
 import time
 
 import httpx2 as httpx
 import pytest
 from conftest import KEYS, MAX_QUEUE, MODEL, SLOTS, start_server, stop_server
+
+from jaxmoe.serve.cli import add_arguments, config_from_args
 
 ROUTES = [
     ("GET", "/v1/models", None),
@@ -46,10 +49,6 @@ def test_health_needs_no_key(server):
 
 @pytest.mark.parametrize("value, ok", [("-1", False), ("0", True), ("4096", True)])
 def test_warmup_context_flag(value, ok):
-    import argparse  # noqa: PLC0415
-
-    from jaxmoe.serve.cli import add_arguments, config_from_args  # noqa: PLC0415
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--checkpoint", "x", "--warmup-context", value])
