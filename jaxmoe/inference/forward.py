@@ -19,6 +19,7 @@ positions a row can see, D model dim, V vocab, W latent width, C kv latent dim, 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -126,12 +127,14 @@ def _latent(attn, x: jax.Array, pos: jax.Array) -> jax.Array:
 DECODE_BLOCK_TOKENS = 4096
 
 
-def decode_latent_attention(attn, x: jax.Array, rows: Rows, pool: jax.Array, new: jax.Array, q_latent=None):
+def decode_latent_attention(
+    attn, x: jax.Array, rows: Rows, pool: jax.Array, new: jax.Array, q_latent=None, block_tokens=DECODE_BLOCK_TOKENS
+):
     """A decode group's absorbed attention (one new token a row) to its cached positions and itself.
 
     The same attention as :meth:`MLA.attend_latent` over the row's pages with ``new`` laid over
     (what the prefill group does), computed block by block with an online softmax: each step of a
-    loop gathers the next ``DECODE_BLOCK_TOKENS // B`` positions of every row, scores them
+    loop gathers the next ``block_tokens // B`` positions of every row, scores them
     against the query ``[absorbed q_nope, q_rope]`` (the whole stored latent, ``c_kv`` and rope key,
     width ``W = C + R``), and folds them into the running max, denominator and weighted sum. The
     loop stops after the block holding the longest row's last cached position, so the page table's
@@ -147,6 +150,7 @@ def decode_latent_attention(attn, x: jax.Array, rows: Rows, pool: jax.Array, new
       pool: ``[G, P, W]`` the layer's latent pages.
       new: ``[B, 1, W]`` the new tokens' latents.
       q_latent: the q latent when the caller has it (DSA).
+      block_tokens: positions (all rows together) a step of the loop reads, rounded to whole pages.
 
     Returns:
       ``y[B, 1, D]``.
@@ -154,7 +158,7 @@ def decode_latent_attention(attn, x: jax.Array, rows: Rows, pool: jax.Array, new
     G, P, W = pool.shape
     B, M = rows.pages.shape
     C = attn.cfg.mla.kv_lora_rank
-    K = min(M, max(1, DECODE_BLOCK_TOKENS // (B * P)))  # pages a row per block; M and K are powers of two
+    K = math.gcd(M, 1 << max(1, block_tokens // (B * P)).bit_length() - 1)  # pages a row per block, dividing M
     with jax.named_scope("mla_decode"):
         q_nope, q_rope = attn.queries(x, rows.positions(), q_latent)
         q = jnp.concatenate([attn.absorb_query(q_nope), q_rope.astype(q_nope.dtype)], axis=-1)[:, 0]  # [B, N, W]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from inference_helpers import cached_logits, full_forward, inference_model_config, small_engine
@@ -125,3 +126,31 @@ def test_tiny_hybrid_sharded(mesh_name, mxfp4):
     done = subprocess.run(argv, env=env, cwd=here.parents[1], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "sharded check passed" in done.stdout
+
+
+def test_decode_attention_in_blocks_matches_the_overlay():
+    """The decode loop's online softmax over many one-page blocks equals one softmax over the overlay."""
+    from jaxmoe.inference.forward import Rows, _kv_positions, _latent, _read, decode_latent_attention
+
+    cfg = _one_layer("mla")
+    attn = create_model(cfg, seed=3).layers[0].attn
+    P, M, W = 4, 16, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    rng = np.random.default_rng(3)
+    pool = jnp.asarray(rng.normal(size=(40, P, W)), jnp.float32)
+    start = np.array([0, 37, 5, 9], np.int32)  # a first token, a row over ten blocks, a mid-page end, padding
+    length = np.array([1, 1, 1, 0], np.int32)
+    pages = np.zeros((4, M), np.int32)
+    for b, n in enumerate(start):
+        pages[b, : n // P + 1] = rng.permutation(np.arange(1, 40))[: n // P + 1]
+    rows = Rows(
+        jnp.zeros((4, 1), jnp.int32), jnp.asarray(start), jnp.asarray(length), jnp.asarray(pages), jnp.arange(4)
+    )
+    x = jnp.asarray(rng.normal(size=(4, 1, cfg.d_model)), jnp.float32)
+    new = _latent(attn, x, rows.positions())
+    C = cfg.mla.kv_lora_rank
+    seen = _read(pool, new, rows)
+    want = attn.attend_latent(x, rows.positions(), seen[..., :C], seen[..., C:], _kv_positions(seen))
+    for block_tokens in (4 * P, 4 * 3 * P, 4 * M * P):  # one page a row per block, three, all in one
+        got = decode_latent_attention(attn, x, rows, pool, new, block_tokens=block_tokens)
+        np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], atol=1e-5, rtol=0)
+        assert np.all(np.isfinite(np.asarray(got)))
