@@ -142,7 +142,7 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 def _step(key: StepKey, all_logits: bool, state, cache, groups, sampling):
     model = nnx.merge(key.graphdef, state)
-    hidden, writes = forward(model, key.spec, cache, groups)
+    hidden, writes = forward(model, key.spec, cache, groups, key.tokens)
     last = jnp.concatenate([last_hidden(h, g) for h, g in zip(hidden, groups)], axis=0)  # [B, D]
     tokens, logprobs = sample(model.head(last), sampling)
     if not jax.sharding.get_abstract_mesh().empty:  # every process reads its own full copy
@@ -187,7 +187,7 @@ class Engine:
             model.cfg, config.cache_bytes, num_slots=num_slots, page_size=config.page_size
         )
         self.graphdef, self.state = nnx.split(model)
-        self._key = step_key(self.graphdef, self.spec)
+        self._key = step_key(self.graphdef, self.spec, config.step_tokens)
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
         self.cache = self.spec.init(sharding)
         # What the step is lowered for ahead of time (no mesh): the weights' and the pools' avals and devices.
@@ -382,6 +382,9 @@ class Engine:
 
     def run_arrays(self, groups, sampling, all_logits: bool = False):
         """The jitted step on host arrays (what every process of a multi-process run executes)."""
+        real = sum(int(np.sum(g.length)) for g in groups)  # the step's FFN holds step_tokens (forward)
+        if real > self.config.step_tokens:
+            raise ValueError(f"a step of {real} tokens exceeds the engine's step_tokens={self.config.step_tokens}")
         shape = shape_of(groups, sampling)
         program = None if all_logits else self.programs.program(shape)
         if program is None and not all_logits and shape not in self.programs.known:

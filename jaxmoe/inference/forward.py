@@ -282,7 +282,9 @@ def _attention(layer, i: int, spec: CacheSpec, x: jax.Array, rows: Rows, cache: 
     return y
 
 
-def forward(model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...]) -> tuple[list[jax.Array], dict]:
+def forward(
+    model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...], tokens: int | None = None
+) -> tuple[list[jax.Array], dict]:
     """Every layer over the groups' new tokens, reading the pools.
 
     Args:
@@ -290,6 +292,11 @@ def forward(model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...]) -> tu
       spec: the pools' :class:`CacheSpec`.
       cache: the pools (as :meth:`CacheSpec.init` makes them); not modified.
       groups: the step's groups (empty groups are left out by the caller).
+      tokens: the most real (``valid``) tokens the groups hold together, or None. When the groups'
+        padded ``B * T`` exceed it, each layer's FFN runs on the real tokens only, gathered into
+        ``tokens`` slots (the step's token budget; a prefill group's short rows are mostly padding:
+        the first step of the decode benchmark holds 512 real tokens in 2,048). More real tokens
+        than ``tokens`` would be dropped: the caller checks (:meth:`Engine.run_arrays`).
 
     Returns:
       per group the final-norm hidden states ``[B, T, D]``, and the writes for :func:`write`:
@@ -298,13 +305,21 @@ def forward(model, spec: CacheSpec, cache: dict, groups: tuple[Rows, ...]) -> tu
     writes = {k: [[] for _ in v] for k, v in cache.items()}
     xs = [g.inputs(model) for g in groups]
     sizes = [x.shape[0] * x.shape[1] for x in xs]
-    D = model.cfg.d_model
+    N, D = sum(sizes), model.cfg.d_model
+    keep = None  # [tokens]: the flat indices of the real tokens, then N (no token)
+    if tokens is not None and tokens < N:
+        valid = jnp.concatenate([g.valid().reshape(-1) for g in groups])
+        keep = jnp.nonzero(valid, size=tokens, fill_value=N)[0]
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer_{i}"):
             xs = [x + _attention(layer, i, spec, layer.attn_norm(x), g, cache, writes) for x, g in zip(xs, groups)]
-            # The FFN sees all of the step's tokens at once: [N, 1, D], N = sum of B * T.
+            # The FFN sees all of the step's tokens at once, [N, 1, D] (or its real ones, [tokens, 1, D]).
             flat = jnp.concatenate([x.reshape(-1, 1, D) for x in xs], axis=0)
-            flat = flat + layer.ffn(layer.ffn_norm(flat))
+            if keep is None:
+                flat = flat + layer.ffn(layer.ffn_norm(flat))
+            else:  # padding tokens keep their (unused) input
+                real = jnp.take(flat, keep, axis=0, mode="fill", fill_value=0)
+                flat = flat.at[keep].add(layer.ffn(layer.ffn_norm(real)).astype(flat.dtype), mode="drop")
             parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist(), axis=0)
             xs = [p.reshape(x.shape) for p, x in zip(parts, xs)]
     return [model.final_norm(x) for x in xs], writes

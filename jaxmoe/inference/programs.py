@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class StepKey:
-    """The jitted step's static argument: the model's graphdef and the pools' spec, hashed once.
+    """The jitted step's static argument: the model's graphdef, the pools' spec and the step's token
+    budget (the most real tokens a step holds: its FFN runs on that many, see
+    :func:`jaxmoe.inference.forward.forward`; None: on every padded token), hashed once.
 
     JAX hashes static arguments on every call, and hashing a model's graphdef walks its whole
     tree (~10 ms a step for the 4-layer benchmark model on a 2-core host, a third of a decode
@@ -50,11 +52,11 @@ class StepKey:
     programs and a lookup compares by identity.
     """
 
-    __slots__ = ("graphdef", "spec", "_hash")
+    __slots__ = ("graphdef", "spec", "tokens", "_hash")
 
-    def __init__(self, graphdef, spec: CacheSpec):
-        self.graphdef, self.spec = graphdef, spec
-        self._hash = hash((graphdef, spec))
+    def __init__(self, graphdef, spec: CacheSpec, tokens: int | None = None):
+        self.graphdef, self.spec, self.tokens = graphdef, spec, tokens
+        self._hash = hash((graphdef, spec, tokens))
 
     def __hash__(self) -> int:
         return self._hash
@@ -63,16 +65,16 @@ class StepKey:
         return self is other or (
             isinstance(other, StepKey)
             and self._hash == other._hash
-            and (self.graphdef, self.spec) == (other.graphdef, other.spec)
+            and (self.graphdef, self.spec, self.tokens) == (other.graphdef, other.spec, other.tokens)
         )
 
 
 _STEP_KEYS: dict[StepKey, StepKey] = {}
 
 
-def step_key(graphdef, spec: CacheSpec) -> StepKey:
-    """The interned :class:`StepKey` of ``(graphdef, spec)``."""
-    key = StepKey(graphdef, spec)
+def step_key(graphdef, spec: CacheSpec, tokens: int | None = None) -> StepKey:
+    """The interned :class:`StepKey` of ``(graphdef, spec, tokens)``."""
+    key = StepKey(graphdef, spec, tokens)
     return _STEP_KEYS.setdefault(key, key)
 
 

@@ -86,6 +86,17 @@ def test_tiny_hybrid_one_device(mxfp4):
     _check(model, small_engine(model), _tokens(512, 4, n=3), atol=1e-4)
 
 
+def test_ffn_of_the_real_tokens_only_matches_full_forward():
+    """With ``step_tokens`` below a group's padded tokens, each layer's FFN runs on the real ones
+    only (3 rows of 11 tokens padded to 16: 33 of 48); logits still equal the full forward, and a
+    step of more real tokens than ``step_tokens`` is refused rather than cut."""
+    model = create_model(_tiny(False), seed=0)
+    seqs = _tokens(512, 5, n=3)
+    _check(model, small_engine(model, step_tokens=3 * max(CHUNKS)), seqs, atol=1e-4)
+    with pytest.raises(ValueError, match="step_tokens=32"):
+        cached_logits(small_engine(model, step_tokens=32), seqs, CHUNKS, DECODE)
+
+
 MESHES = {
     "expert2_tensor4": MeshConfig(expert=2, tensor=4),
     "data2_expert2_tensor2": MeshConfig(data=2, expert=2, tensor=2),
